@@ -1,0 +1,73 @@
+"""Checks of a Setup against a model and a GPU that a Setup alone cannot make.
+
+``Setup.__post_init__`` validates what it knows by itself (positive sizes, known choices, option
+combinations). What needs the model (LoRA targets and rank against its Linears, sequence length
+against its positions) or the GPU (bf16 support) lives here: :func:`check` raises
+:class:`SpecError` for a setup peft/transformers would refuse or that makes no sense, and returns
+warnings (one line each) for one that runs but is probably not what the user meant. Torch-free.
+"""
+
+from __future__ import annotations
+
+from .specs import GpuSpec, LinearSpec, ModelSpec, Setup, SpecError
+
+
+def lora_target_names(setup: Setup) -> list[str] | None:
+    """The module names of ``--lora-targets``; None for peft's ``"all-linear"``."""
+    text = setup.lora_targets.strip()
+    if text == "all-linear":
+        return None
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _matches(linear: LinearSpec, target: str) -> bool:
+    # peft's rule for a list of names: the module's key equals the target or ends with "." + target.
+    return linear.name == target or linear.path == target or linear.path.endswith("." + target)
+
+
+def lora_targets(model: ModelSpec, setup: Setup) -> tuple[list[LinearSpec], list[str]]:
+    """The Linears LoRA wraps, and the named targets that match none of them.
+
+    ``all-linear`` is every Linear but the output layer, as peft resolves it.
+    """
+    names = lora_target_names(setup)
+    if names is None:
+        return [l for l in model.linears if l.role != "head"], []
+    targeted = [l for l in model.linears if any(_matches(l, t) for t in names)]
+    unmatched = [t for t in names if not any(_matches(l, t) for l in model.linears)]
+    return targeted, unmatched
+
+
+def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[str]:
+    """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
+    warnings: list[str] = []
+    if model.max_position_embeddings and setup.seq > model.max_position_embeddings:
+        warnings.append(
+            f"seq {setup.seq} exceeds max_position_embeddings {model.max_position_embeddings} of {model.name}"
+        )
+    if setup.adapters:
+        warnings += _check_lora(model, setup)
+    if gpu is not None and not gpu.bf16 and setup.precision in ("bf16", "bf16-mixed"):
+        warnings.append(f"{gpu.display_name} has no bf16; train it with --precision fp16-mixed (or fp32)")
+    return warnings
+
+
+def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:
+    targeted, unmatched = lora_targets(model, setup)
+    known = ", ".join(dict.fromkeys(l.name for l in model.linears))
+    if not targeted:
+        raise SpecError(f"--lora-targets {setup.lora_targets!r} matches no Linear of {model.name}; its Linears: {known}")
+    warnings = [f"--lora-targets {t!r} matches no Linear of {model.name} (ignored); its Linears: {known}" for t in unmatched]
+    # Routers (e.g. Qwen2-MoE's 1-wide shared_expert_gate) are wrapped by "all-linear" whatever the
+    # rank; peft accepts a rank above their width, so they do not bound it.
+    bounded = [l for l in targeted if l.role != "router"]
+    if bounded:
+        small = min(bounded, key=lambda l: min(l.in_features, l.out_features))
+        width = min(small.in_features, small.out_features)
+        if setup.lora_rank > width:
+            raise SpecError(
+                f"--lora-rank {setup.lora_rank} is larger than the smallest targeted layer, {small.name} "
+                f"({small.in_features} in, {small.out_features} out); use a rank of at most {width} "
+                "or narrow --lora-targets"
+            )
+    return warnings

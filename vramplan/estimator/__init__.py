@@ -1,0 +1,245 @@
+"""The analytic tier: one training step's memory per GPU from counts only, in milliseconds.
+
+``estimate(model, setup, gpu)`` sums one pure function per memory term into a Breakdown and takes
+the peak as the maximum over the phases of a step (end of forward, backward, optimizer step), not
+the sum of all terms: optimizer transients and activations never coexist. No torch import.
+"""
+
+from __future__ import annotations
+
+from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
+from ..units import BNB_8BIT_STATE_BYTES, DTYPE_BYTES, PRECISION_WEIGHT_DTYPE, QUANT_BYTES_PER_PARAM
+from . import activations as act
+from .corrections import DEFAULT_CORRECTIONS, Corrections
+
+__all__ = ["estimate", "Corrections", "DEFAULT_CORRECTIONS", "lora_params", "trainable_params"]
+
+
+# ----------------------------------------------------------------------------------------------
+# parameters
+
+
+def lora_params(model: ModelSpec, setup: Setup) -> int:
+    """r * (d_in + d_out) per adapted Linear (Hu et al. 2021, LoRA, section 4.1)."""
+    return sum(l.count * setup.lora_rank * (l.in_features + l.out_features) for l in act._adapted(model, setup))
+
+
+def trainable_params(model: ModelSpec, setup: Setup) -> int:
+    return model.params_total if setup.method == "full" else lora_params(model, setup)
+
+
+def _weight_dtype_bytes(setup: Setup) -> int:
+    return int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]])
+
+
+def weights_bytes(model: ModelSpec, setup: Setup) -> int:
+    """Base weights. A quantized base stores its Linear weights (head excluded) at the bitsandbytes
+    bytes/param; ``prepare_model_for_kbit_training`` upcasts everything else to fp32."""
+    w = _weight_dtype_bytes(setup)
+    if setup.quant == "none":
+        return (model.params_total - model.fp32_params) * w + model.fp32_params * 4
+    qb = QUANT_BYTES_PER_PARAM[(setup.quant, setup.double_quant)]
+    quantized = sum(l.count * l.weight_params for l in model.linears if l.role != "head")
+    rest = model.params_total - quantized
+    if setup.quant == "int8":
+        quantized_bytes = quantized + 4 * sum(l.count * l.out_features for l in model.linears if l.role != "head")
+    else:
+        quantized_bytes = quantized * qb
+    return int(quantized_bytes + rest * 4)
+
+
+def adapter_bytes(model: ModelSpec, setup: Setup) -> int:
+    """peft upcasts adapters to fp32 (autocast_adapter_dtype=True)."""
+    return 4 * lora_params(model, setup)
+
+
+def gradient_bytes(model: ModelSpec, setup: Setup) -> int:
+    """One gradient per trainable parameter in its dtype (fp32 for adapters and mixed precision)."""
+    if setup.adapters:
+        return 4 * lora_params(model, setup)
+    return model.params_total * _weight_dtype_bytes(setup)
+
+
+def optimizer_state_bytes(model: ModelSpec, setup: Setup) -> int:
+    """torch.optim keeps states as zeros_like(param): AdamW 2, SGD-momentum/Lion 1; bitsandbytes
+    8-bit AdamW 2 x (1 + 4/256) B; Adafactor factored row+column second moments (fp32)."""
+    n = trainable_params(model, setup)
+    pb = 4 if setup.adapters else _weight_dtype_bytes(setup)
+    opt = setup.optimizer
+    if opt in ("adamw", "adamw-fused"):
+        return 2 * n * pb
+    if opt in ("sgd", "lion"):
+        return n * pb
+    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+        return int(2 * n * BNB_8BIT_STATE_BYTES)
+    # adafactor: per matrix (out + in) fp32 entries; vectors keep a full state
+    if setup.adapters:
+        mats = [(l.count, setup.lora_rank, l.in_features) for l in act._adapted(model, setup)]
+        mats += [(l.count, l.out_features, setup.lora_rank) for l in act._adapted(model, setup)]
+        return int(4 * sum(c * (a + b) for c, a, b in mats))
+    return int(4 * sum(l.count * (l.in_features + l.out_features) for l in model.linears)
+               + 4 * model.vocab_size * 2 + 4 * model.hidden_size * 2)
+
+
+def optimizer_step_transient_bytes(model: ModelSpec, setup: Setup) -> int:
+    """torch AdamW foreach: ``_foreach_sqrt(exp_avg_sqs)`` allocates one state-sized list before
+    the in-place update (torch/optim/adamw.py, _multi_tensor_adamw); fused=True has none.
+    SGD foreach and Lion allocate one gradient-sized list; 8-bit kernels update in place."""
+    n = trainable_params(model, setup)
+    pb = 4 if setup.adapters else _weight_dtype_bytes(setup)
+    if setup.optimizer in ("adamw", "sgd", "lion"):
+        return n * pb
+    if setup.optimizer == "adafactor":
+        return n * 4  # fp32 update of the largest group; first-order
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the step
+
+
+def _largest_layer_grad(model: ModelSpec, setup: Setup) -> int:
+    per_layer = sum(l.params for l in model.linears if l.role != "head") / max(model.num_layers, 1)
+    per_layer += sum(n for name, n in model.other_params if name in ("experts", "router", "qk_norms")) / max(model.num_layers, 1)
+    return int(per_layer * _weight_dtype_bytes(setup))
+
+
+def _head_params(model: ModelSpec) -> int:
+    return sum(l.params for l in model.linears if l.role == "head")
+
+
+def estimate(
+    model: ModelSpec,
+    setup: Setup,
+    gpu: GpuSpec | None = None,
+    corrections: Corrections = DEFAULT_CORRECTIONS,
+) -> Breakdown:
+    """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU)."""
+    N = setup.tokens
+    V, h = model.vocab_size, model.hidden_size
+    c = act.compute_bytes(setup)
+    L = model.num_layers
+    G_total_gpus = setup.gpus
+
+    W = weights_bytes(model, setup)
+    A_w = adapter_bytes(model, setup)
+    G = gradient_bytes(model, setup)
+    S = optimizer_state_bytes(model, setup)
+    T_opt = optimizer_step_transient_bytes(model, setup)
+    host = 0
+    notes: list[str] = []
+
+    # mixed precision: autocast caches a half copy of each weight for the forward+backward
+    cast_cache = 0
+    if setup.precision in ("bf16-mixed", "fp16-mixed"):
+        cast_cache = sum(l.count * l.weight_params for l in model.linears) * 2
+
+    # ZeRO partitioning (first order here; made exact by the DeepSpeed issue)
+    if setup.zero_stage >= 1:
+        S //= G_total_gpus
+        T_opt //= G_total_gpus
+    if setup.zero_stage >= 2:
+        G //= G_total_gpus
+    if setup.zero_stage >= 3:
+        W //= G_total_gpus
+    if setup.offload_optimizer != "none":
+        host += S + T_opt
+        S, T_opt = 0, 0
+    if setup.offload_params != "none":
+        host += W
+        W = 0
+    zero_buffers = 0
+    if setup.zero_stage:
+        # reduce/allgather buckets (5e8 elements by default, capped by the model) in the param dtype
+        bucket = min(int(5e8), trainable_params(model, setup)) * (4 if setup.adapters else _weight_dtype_bytes(setup))
+        zero_buffers = bucket if setup.zero_stage in (1, 2) else 2 * _largest_layer_grad(model, setup)
+
+    # activations
+    if setup.checkpointing:
+        per_layer_kept = act.checkpoint_bytes_per_token(model, setup)
+    else:
+        per_layer_kept = act.layer_bytes_per_token(model, setup)
+    A_layers = int(L * per_layer_kept * N)
+    A_glob = int(act.global_bytes_per_token(model, setup) * N)
+    A_recompute = int(act.layer_bytes_per_token(model, setup) * N) if setup.checkpointing else 0
+    logits_fwd = (c + 4) * N * V  # c-byte logits and their fp32 copy (log-probs are saved)
+    logits_bwd = 8 * N * V  # grad of the log-probs and of the fp32 logits (log_softmax backward)
+    i_max = max(model.intermediate_size, (model.moe.expert_intermediate_size * model.moe.top_k) if model.moe else 0)
+    T_layer = c * N * (2 * i_max + 2 * h)  # gradient temporaries inside one layer's backward
+
+    accum_grads = G if setup.grad_accum > 1 else 0
+    base = W + A_w + S + cast_cache + zero_buffers
+
+    forward = base + accum_grads + A_layers + A_glob + logits_fwd
+    start = base + accum_grads + A_layers + A_glob + logits_bwd
+    if setup.method == "full":
+        G_head = _head_params(model) * _weight_dtype_bytes(setup)
+        if setup.zero_stage >= 2:
+            G_head //= G_total_gpus
+        G_layer = (G - G_head) / max(L, 1)
+        first = base + G_head + A_layers + A_recompute + T_layer + c * N * h
+        last = base + G - G_layer + A_recompute + per_layer_kept * N + T_layer + c * N * h
+        tied_spike = 2 * model.vocab_size * h if model.tie_word_embeddings else 0
+        end = base + G + tied_spike + c * N * h
+        backward = max(start, first, last, end)
+    else:
+        first = base + accum_grads + A_layers + A_glob - 4 * N * V + A_recompute + T_layer + c * N * V
+        backward = max(start, first, base + G)
+    optimizer = W + A_w + G + S + T_opt + cast_cache + zero_buffers
+    phase_peaks = {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}
+    phase = max(PHASES, key=lambda p: phase_peaks[p])
+    tensor_peak = phase_peaks[phase]
+
+    # device-level corrections
+    sm90 = gpu is not None and gpu.compute_capability is not None and float(gpu.compute_capability) >= 9.0
+    ws = corrections.cublas_handles * (corrections.cublas_workspace_bytes_sm90 if sm90 else corrections.cublas_workspace_bytes)
+    allocated = tensor_peak + ws
+    reserved = int(allocated * (1 + corrections.allocator_fragmentation))
+    nccl = corrections.nccl_bytes if setup.gpus > 1 else 0
+    device_total = reserved + corrections.cuda_context_bytes + nccl
+
+    fb = ("forward", "backward")
+    comps = [
+        Component("weights", W, PHASES, note=_weights_note(setup)),
+        Component("adapters", A_w, PHASES, note="LoRA A/B in fp32") if A_w else None,
+        Component("autocast_weight_cache", cast_cache, fb, note="half copies of weights under autocast") if cast_cache else None,
+        Component("gradients", G, ("backward", "optimizer") if setup.grad_accum == 1 else PHASES),
+        Component("optimizer_states", S, PHASES, note=setup.optimizer),
+        Component("optimizer_step", T_opt, ("optimizer",), note="foreach step transient") if T_opt else None,
+        Component("activations", A_layers if not setup.checkpointing else 0, fb, note="saved for backward"),
+        Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb, note="layer inputs kept by checkpointing") if setup.checkpointing else None,
+        Component("recompute", A_recompute, ("backward",), note="one layer recomputed") if A_recompute else None,
+        Component("model_io_activations", A_glob, fb, note="embeddings, final norm, fp32 log-probs"),
+        Component("logits_loss", max(logits_fwd, logits_bwd), fb, note="logits, fp32 upcast and its gradient"),
+        Component("deepspeed_buffers", zero_buffers, PHASES) if zero_buffers else None,
+        Component("cublas_workspace", ws, PHASES),
+        Component("allocator_overhead", reserved - allocated, PHASES, note=f"{corrections.allocator_fragmentation:.0%} of allocated"),
+        Component("cuda_context", corrections.cuda_context_bytes, PHASES),
+        Component("nccl", nccl, PHASES) if nccl else None,
+        Component("host_offload", host, PHASES, where="host") if host else None,
+    ]
+    if model.max_position_embeddings and setup.seq > model.max_position_embeddings:
+        notes.append(f"seq {setup.seq} exceeds max_position_embeddings {model.max_position_embeddings}")
+    return Breakdown(
+        model=model.name,
+        setup=setup,
+        tier="analytic",
+        components=tuple(c_ for c_ in comps if c_ is not None),
+        phase_peaks_bytes=phase_peaks,
+        phase=phase,
+        tensor_peak_bytes=int(tensor_peak),
+        peak_allocated_bytes=int(allocated),
+        peak_reserved_bytes=int(reserved),
+        device_total_bytes=int(device_total),
+        params_total=model.params_total,
+        params_trainable=trainable_params(model, setup),
+        host_bytes=int(host),
+        gpu=gpu,
+        notes=tuple(notes),
+    )
+
+
+def _weights_note(setup: Setup) -> str:
+    if setup.quant != "none":
+        return f"{setup.quant}{' + double quant' if setup.double_quant else ''} base; other params fp32"
+    return PRECISION_WEIGHT_DTYPE[setup.precision]

@@ -1,0 +1,348 @@
+"""Frozen dataclasses that flow between the stages: ModelSpec, GpuSpec, Setup, Breakdown.
+
+Every field carries its unit in its name where it has one (``*_bytes``, ``*_tflops``). Validation
+lives in ``__post_init__`` and raises :class:`SpecError` with a message a user can act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .units import GiB
+
+
+class SpecError(ValueError):
+    """Invalid user input: a message fit to print as the one line of a CLI error."""
+
+
+METHODS = ("full", "lora", "qlora")
+QUANTS = ("none", "int8", "nf4", "fp4")
+PRECISIONS = ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "lion")
+ATTENTIONS = ("auto", "sdpa", "eager", "flash")
+OFFLOADS = ("none", "cpu", "nvme")
+LOSSES = ("hf", "chunked")
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise SpecError(f"{name} must be one of {', '.join(options)}; got {value!r}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"{name} must be a positive integer; got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One Linear-like module, repeated ``count`` times (once per layer for per-layer modules).
+
+    ``name`` is the module's own name (``q_proj``) as peft matches it; ``path`` its path with
+    ``*`` for the layer index (``model.layers.*.self_attn.q_proj``).
+    """
+
+    name: str
+    path: str
+    in_features: int
+    out_features: int
+    bias: bool
+    count: int
+    role: str  # attn | mlp | shared_expert | router | head | other
+
+    @property
+    def weight_params(self) -> int:
+        return self.in_features * self.out_features
+
+    @property
+    def params(self) -> int:
+        return (self.weight_params + (self.out_features if self.bias else 0)) * self.count
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    num_moe_layers: int
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    gated_shared_expert: bool = False  # qwen2_moe: sigmoid gate on the shared expert
+    norm_topk_prob: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the estimator needs about a model, derived from its config.json."""
+
+    name: str
+    model_type: str
+    config: dict = field(repr=False, compare=False, hash=False)
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    linears: tuple[LinearSpec, ...]
+    #: Parameters that are not in a Linear: embeddings, norms, experts' 3-D weights, routers.
+    other_params: tuple[tuple[str, int], ...]
+    mlp_kind: str  # gated | plain
+    activation: str  # silu | gelu_tanh | gelu | gelu_new | relu
+    norm_kind: str  # rmsnorm | layernorm | layernorm_nobias
+    default_attn: str  # sdpa | eager
+    moe: MoeSpec | None = None
+    family: str = ""  # the activation recipe used (llama, gemma2, gpt2, ...)
+    fp32_params: int = 0  # parameters the modeling code keeps in fp32 whatever the load dtype
+    source: str = ""  # profile name, path or hub id it was read from
+
+    @property
+    def params_total(self) -> int:
+        return sum(l.params for l in self.linears) + sum(n for _, n in self.other_params)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear(self, name: str) -> LinearSpec | None:
+        for l in self.linears:
+            if l.name == name:
+                return l
+        return None
+
+    def with_layers(self, num_layers: int) -> "ModelSpec":
+        """A truncated copy with ``num_layers`` decoder layers (for tests and tracing)."""
+        from .architecture import model_spec_from_config
+
+        cfg = truncate_config(self.config, num_layers)
+        return model_spec_from_config(cfg, name=f"{self.name}[:{num_layers}]", source=self.source)
+
+
+def truncate_config(config: dict, num_layers: int) -> dict:
+    """Copy of an HF config dict with ``num_layers`` decoder layers, per-layer lists cut to match."""
+    cfg = dict(config)
+    key = "n_layer" if "n_layer" in cfg and "num_hidden_layers" not in cfg else "num_hidden_layers"
+    old = cfg.get(key)
+    cfg[key] = num_layers
+    if isinstance(cfg.get("layer_types"), list) and old:
+        cfg["layer_types"] = list(cfg["layer_types"][:num_layers])
+    if isinstance(cfg.get("mlp_only_layers"), list):
+        cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    display_name: str
+    usable_memory_bytes: int
+    bf16: bool = True
+    bf16_tflops_dense: float | None = None
+    fp16_tflops_dense: float | None = None
+    memory_bandwidth_gbps: float | None = None
+    host_link_gbps: float | None = None
+    interconnect: str | None = None
+    interconnect_gbps: float | None = None
+    vendor: str = "nvidia"
+    architecture: str = ""
+    compute_capability: str | None = None
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.usable_memory_bytes <= 0:
+            raise SpecError(f"GPU memory must be positive; got {self.usable_memory_bytes}")
+
+    @classmethod
+    def custom(cls, memory_bytes: int) -> "GpuSpec":
+        return cls(name=f"custom-{memory_bytes / GiB:g}gib", display_name=f"custom GPU ({memory_bytes / GiB:.1f} GiB)",
+                   usable_memory_bytes=memory_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration. Defaults are the canonical step of docs/architecture.md:
+    full fine-tuning of a bf16 model with torch AdamW (foreach), no checkpointing."""
+
+    method: str = "full"
+    lora_rank: int = 16
+    lora_alpha: int | None = None  # None: 2 * lora_rank
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"  # peft vocabulary: "all-linear" or comma-separated module names
+    quant: str = "none"  # base weights: none | int8 | nf4 | fp4 (qlora defaults to nf4)
+    double_quant: bool = True
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    checkpointing: bool = False
+    attn: str = "auto"  # auto: what transformers picks for the family
+    batch: int = 1
+    seq: int = 2048
+    grad_accum: int = 1
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    gpus: int = 1
+    loss: str = "hf"
+
+    def __post_init__(self) -> None:
+        _choice("method", self.method, METHODS)
+        _choice("quant", self.quant, QUANTS)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("attn", self.attn, ATTENTIONS)
+        _choice("offload_optimizer", self.offload_optimizer, OFFLOADS)
+        _choice("offload_params", self.offload_params, OFFLOADS)
+        _choice("loss", self.loss, LOSSES)
+        for name in ("lora_rank", "batch", "seq", "grad_accum", "gpus"):
+            _positive(name, getattr(self, name))
+        if self.lora_alpha is not None:
+            _positive("lora_alpha", self.lora_alpha)
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise SpecError(f"lora_dropout must be in [0, 1); got {self.lora_dropout!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise SpecError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+        if self.method == "qlora" and self.quant == "none":
+            object.__setattr__(self, "quant", "nf4")
+        if self.method == "full" and self.quant != "none":
+            raise SpecError("a quantized base cannot be fully fine-tuned; use --method lora/qlora or --quant none")
+        if self.method == "qlora" and self.quant == "int8":
+            raise SpecError("qlora means a 4-bit base; for an 8-bit base use --method lora --quant int8")
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise SpecError("offloading parameters needs ZeRO stage 3 (--zero 3)")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise SpecError("offloading the optimizer needs ZeRO (--zero 1, 2 or 3)")
+        if self.precision == "fp16" and self.method == "full":
+            pass  # allowed (pure fp16 training); the estimator treats it like bf16
+        if not self.lora_targets.strip():
+            raise SpecError("lora_targets must name modules or be 'all-linear'")
+
+    @property
+    def adapters(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+    @property
+    def alpha(self) -> int:
+        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch (b * s)."""
+        return self.batch * self.seq
+
+    def replace(self, **changes: Any) -> "Setup":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Setup":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"unknown setup key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Breakdown
+
+
+@dataclass(frozen=True)
+class Component:
+    """One named memory term. ``phases`` lists the phases it is live in; ``where`` is gpu or host."""
+
+    name: str
+    bytes: int
+    phases: tuple[str, ...] = PHASES
+    where: str = "gpu"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Memory of one training step per GPU, by component and phase, with four headline numbers.
+
+    - ``tensor_peak_bytes``: live tensors only, what a tensor-level trace measures;
+    - ``peak_allocated_bytes``: like ``torch.cuda.max_memory_allocated`` (+ workspaces, rounding);
+    - ``peak_reserved_bytes``: like ``torch.cuda.max_memory_reserved``;
+    - ``device_total_bytes``: like nvidia-smi (+ CUDA context, NCCL); ``fits`` is judged on it.
+    """
+
+    model: str
+    setup: Setup
+    tier: str  # analytic | traced | measured
+    components: tuple[Component, ...]
+    phase_peaks_bytes: dict[str, int]
+    phase: str
+    tensor_peak_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    params_total: int
+    params_trainable: int
+    host_bytes: int = 0
+    gpu: GpuSpec | None = None
+    notes: tuple[str, ...] = ()
+    error_band: float | None = None  # relative, from calibration residuals
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu is None:
+            return None
+        return self.device_total_bytes <= self.gpu.usable_memory_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        if self.gpu is None:
+            return None
+        return self.gpu.usable_memory_bytes - self.device_total_bytes
+
+    def component(self, name: str) -> int:
+        return sum(c.bytes for c in self.components if c.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "tier": self.tier,
+            "gpu": self.gpu.name if self.gpu else None,
+            "gpu_usable_bytes": self.gpu.usable_memory_bytes if self.gpu else None,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "phase": self.phase,
+            "tensor_peak_bytes": self.tensor_peak_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "host_bytes": self.host_bytes,
+            "phase_peaks_bytes": dict(self.phase_peaks_bytes),
+            "params_total": self.params_total,
+            "params_trainable": self.params_trainable,
+            "components": [
+                {"name": c.name, "bytes": c.bytes, "phases": list(c.phases), "where": c.where, "note": c.note}
+                for c in self.components
+            ],
+            "setup": self.setup.to_dict(),
+            "notes": list(self.notes),
+            "error_band": self.error_band,
+        }

@@ -1,0 +1,406 @@
+"""The traced tier: run the real transformers/peft training step on fake tensors and record the
+peak of live tensor storage bytes after every op.
+
+The model is built on the ``meta`` device (peft applied there), materialised with ``to_empty``
+inside :class:`torch._subclasses.fake_tensor.FakeTensorMode`, and driven through the canonical
+step (forward with labels, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``) twice.
+A :class:`TorchDispatchMode` sees every op's outputs; each distinct storage is counted once while
+it is alive (a weakref callback removes it). Nothing is computed and no weights are read, so a
+model of any size traces on a laptop; models deeper than a few layers are traced at two depths and
+extrapolated per layer (:func:`trace` proves the extrapolation in its tests).
+
+This module (with :mod:`vramplan.run`) is the only one that imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+from .specs import PHASES, Breakdown, Component, ModelSpec, Setup, SpecError, truncate_config
+
+#: Categories a live storage falls in at a peak.
+CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
+
+
+class NotTraceable(SpecError):
+    """The setup uses something fake tensors cannot run (bitsandbytes kernels, DeepSpeed, ...)."""
+
+
+@dataclass
+class _PhasePeak:
+    bytes: int = 0
+    categories: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TraceNumbers:
+    """Raw numbers of one traced run (one depth)."""
+
+    num_layers: int
+    phase_peaks: dict[str, _PhasePeak]
+    params_total: int
+    params_trainable: int
+    saved_by_module: dict[str, int]
+    saved_detail: list = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(p.bytes for p in self.phase_peaks.values())
+
+
+def _require_torch():
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise SpecError(
+            f"tracing needs the optional extra: pip install 'vramplan[run]' ({exc.name} is missing)"
+        ) from None
+
+
+class _LiveTracker:
+    """Counts the bytes of live storages; the dispatch mode below feeds it every op output."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.live: dict[int, int] = {}  # our id -> nbytes
+        self.by_obj: dict[int, int] = {}  # id(storage pyobj) -> our id
+        self.refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.saved: set[int] = set()
+        self.phase: str | None = None
+        self.peaks: dict[str, _PhasePeak] = {p: _PhasePeak() for p in PHASES}
+        self.classify = None  # callable(live ids) -> categories, set by the driver
+
+    def track(self, tensor) -> int | None:
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        st = tensor.untyped_storage()
+        key = id(st)
+        if key in self.by_obj:
+            return self.by_obj[key]
+        sid = next(self._ids)
+        n = st.nbytes()
+        self.by_obj[key] = sid
+        self.live[sid] = n
+        self.current += n
+
+        def _free(_ref, sid=sid, key=key):
+            self.current -= self.live.pop(sid, 0)
+            self.by_obj.pop(key, None)
+            self.refs.pop(sid, None)
+
+        self.refs[sid] = weakref.ref(st, _free)
+        return sid
+
+    def sid_of(self, tensor) -> int | None:
+        return self.by_obj.get(id(tensor.untyped_storage()))
+
+    def observe(self) -> None:
+        if self.phase is None:
+            return
+        peak = self.peaks[self.phase]
+        if self.current > peak.bytes:
+            peak.bytes = self.current
+            peak.categories = self.classify(self.live) if self.classify else {}
+
+
+def _make_mode(tracker: _LiveTracker):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LiveBytesMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    tracker.track(t)
+            tracker.observe()
+            return out
+
+    return LiveBytesMode()
+
+
+def _hf_config(config: dict, num_layers: int | None):
+    import transformers
+
+    cfg = dict(truncate_config(config, num_layers) if num_layers else config)
+    model_type = cfg.pop("model_type")
+    for k in ("architectures", "auto_map", "transformers_version", "quantization_config"):
+        cfg.pop(k, None)
+    return transformers.AutoConfig.for_model(model_type, **cfg)
+
+
+def _attn_impl(setup: Setup, default: str) -> str:
+    if setup.attn == "auto":
+        return default
+    # FlashAttention-2 needs CUDA; its memory (q, k, v, out, fp32 logsumexp) is what SDPA's flash
+    # kernel saves, so the tracer runs SDPA in its place.
+    return "sdpa" if setup.attn == "flash" else setup.attn
+
+
+def _make_optimizer(setup: Setup, params):
+    import torch
+
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    if setup.optimizer == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-5, fused=True)
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=True)
+    if setup.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-5, scale_parameter=False, relative_step=False)
+    raise NotTraceable(
+        f"optimizer {setup.optimizer!r} cannot run on fake tensors (bitsandbytes/custom kernels); "
+        "use `vramplan measure` for it"
+    )
+
+
+@contextlib.contextmanager
+def _real_code_paths():
+    """Make transformers take the code path it takes on real tensors.
+
+    transformers treats fake tensors as a sign of torch.export/compile tracing (``is_tracing``) and
+    then builds an explicit 4-D causal mask and repeats K/V for SDPA: memory a real eager step
+    never allocates. The tracer is not exporting anything, so it answers "not tracing".
+    """
+    from transformers import masking_utils
+
+    patches = {
+        # real tensors are not being exported: take the eager path (is_causal SDPA, GQA kernel)
+        "is_tracing": lambda tensor=None: False,
+        # the canonical step passes no position_ids, so the sequences are never packed; on real
+        # tensors transformers finds that by reading the data, which fake tensors do not have
+        "find_packed_sequence_indices": lambda position_ids: None,
+    }
+    saved = {k: getattr(masking_utils, k) for k in patches}
+    for k, v in patches.items():
+        setattr(masking_utils, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(masking_utils, k, v)
+
+
+def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, steps: int = 2) -> TraceNumbers:
+    """Trace ``steps`` canonical steps of the model described by ``config`` (an HF config dict)."""
+    _require_torch()
+    import torch
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if setup.quant != "none":
+        raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; use `vramplan measure`")
+    if setup.zero_stage or setup.gpus > 1:
+        raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; use `vramplan measure`")
+    if setup.precision in ("bf16-mixed", "fp16-mixed"):
+        dtype, autocast_dtype = torch.float32, {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setup.precision]
+    else:
+        dtype, autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[setup.precision], None
+
+    hf_cfg = _hf_config(config, num_layers)
+    hf_cfg.use_cache = False
+    transformers.logging.set_verbosity_error()
+    probe_default = "eager" if config.get("model_type") in {"gemma2"} else "sdpa"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_cfg, dtype=dtype, attn_implementation=_attn_impl(setup, probe_default)
+        )
+    if setup.adapters:
+        import peft
+
+        targets = setup.lora_targets
+        lcfg = peft.LoraConfig(
+            r=setup.lora_rank,
+            lora_alpha=setup.alpha,
+            lora_dropout=setup.lora_dropout,
+            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+            task_type="CAUSAL_LM",
+        )
+        model = peft.get_peft_model(model, lcfg)
+    if setup.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if setup.adapters:
+            model.enable_input_require_grads()
+    model.train()
+
+    tracker = _LiveTracker()
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    saved_by_module: dict[str, int] = {}
+    saved_detail: list[tuple] = []
+    module_stack: list[str] = []
+
+    def _pre(mod, _args, name):
+        module_stack.append(name)
+
+    def _post(mod, _args, _out, name):
+        if module_stack and module_stack[-1] == name:
+            module_stack.pop()
+
+    for name, mod in model.named_modules():
+        if name:  # saved tensors are attributed to the innermost module running
+            mod.register_forward_pre_hook(lambda m, a, n=name: _pre(m, a, n))
+            mod.register_forward_hook(lambda m, a, o, n=name: _post(m, a, o, n))
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = _make_mode(tracker)
+    with _real_code_paths(), fake, mode:
+        model.to_empty(device="cpu")
+        # Module._apply replaces each module's parameters one by one, which unties shared ones
+        # (tied input/output embeddings); tie them again as from_pretrained would.
+        hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if getattr(hf_model.config, "tie_word_embeddings", False):
+            out_emb, in_emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+            if out_emb is not None and in_emb is not None:
+                out_emb.weight = in_emb.weight
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        for t in itertools.chain(params, model.buffers()):
+            tracker.track(t)
+        opt = _make_optimizer(setup, trainable)
+
+        def classify(live: dict[int, int]) -> dict[str, int]:
+            param_ids = {tracker.sid_of(p) for p in params}
+            grad_ids = {tracker.sid_of(p.grad) for p in params if p.grad is not None}
+            state_ids = set()
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        state_ids.add(tracker.sid_of(v))
+            out = dict.fromkeys(CATEGORIES, 0)
+            for sid, n in live.items():
+                if sid in param_ids:
+                    out["weights"] += n
+                elif sid in grad_ids:
+                    out["gradients"] += n
+                elif sid in state_ids:
+                    out["optimizer_states"] += n
+                elif sid in tracker.saved:
+                    out["activations"] += n
+                else:
+                    out["temporaries"] += n
+            return out
+
+        tracker.classify = classify
+
+        param_sids = {tracker.sid_of(p) for p in params}
+
+        def pack(t):
+            sid = tracker.track(t)
+            if sid is not None and sid not in param_sids and sid not in tracker.saved:
+                tracker.saved.add(sid)
+                key = module_stack[-1] if module_stack else "<model>"
+                saved_by_module[key] = saved_by_module.get(key, 0) + t.untyped_storage().nbytes()
+                saved_detail.append((key, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.untyped_storage().nbytes()))
+            return t
+
+        input_ids = torch.randint(0, int(config.get("vocab_size", 32000)), (setup.batch, setup.seq))
+        tracker.track(input_ids)
+        autocast = (
+            torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        )
+        for step in range(steps):
+            if step == steps - 1:
+                saved_by_module.clear()
+                saved_detail.clear()
+            for micro in range(setup.grad_accum):
+                tracker.phase = "forward"
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+                    loss = model(input_ids=input_ids, labels=input_ids).loss
+                    if setup.grad_accum > 1:
+                        loss = loss / setup.grad_accum
+                tracker.phase = "backward"
+                loss.backward()
+                del loss
+                tracker.observe()
+            tracker.phase = "optimizer"
+            opt.step()
+            tracker.observe()
+            tracker.phase = None
+            opt.zero_grad(set_to_none=True)
+            tracker.saved.clear()
+
+    return TraceNumbers(
+        num_layers=hf_cfg.num_hidden_layers,
+        phase_peaks=tracker.peaks,
+        params_total=sum(p.numel() for p in params),
+        params_trainable=sum(p.numel() for p in trainable),
+        saved_by_module=dict(sorted(saved_by_module.items(), key=lambda kv: -kv[1])),
+        saved_detail=saved_detail,
+    )
+
+
+def _extrapolate(a: TraceNumbers, b: TraceNumbers, num_layers: int) -> TraceNumbers:
+    """Per-layer linear extrapolation from traces at depths ``a.num_layers`` < ``b.num_layers``."""
+    k = (num_layers - a.num_layers) / (b.num_layers - a.num_layers)
+
+    def lin(x: int, y: int) -> int:
+        return round(x + (y - x) * k)
+
+    peaks = {}
+    for ph in PHASES:
+        pa, pb = a.phase_peaks[ph], b.phase_peaks[ph]
+        cats = {c: lin(pa.categories.get(c, 0), pb.categories.get(c, 0)) for c in CATEGORIES}
+        peaks[ph] = _PhasePeak(bytes=lin(pa.bytes, pb.bytes), categories=cats)
+    return TraceNumbers(
+        num_layers=num_layers,
+        phase_peaks=peaks,
+        params_total=lin(a.params_total, b.params_total),
+        params_trainable=lin(a.params_trainable, b.params_trainable),
+        saved_by_module=b.saved_by_module,
+    )
+
+
+def _num_layers(config: dict) -> int:
+    return int(config.get("num_hidden_layers") or config.get("n_layer"))
+
+
+def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tuple[int, int] = (2, 3)) -> Breakdown:
+    """Traced Breakdown of ``setup`` on ``model``.
+
+    Models with more than ``full_depth_max`` layers are traced at the two ``depths`` and
+    extrapolated linearly per layer: every layer of a decoder stack adds the same bytes to each
+    phase's peak (weights, gradients, states and saved activations per layer), which
+    ``tests/test_trace.py`` checks against a full-depth trace.
+    """
+    L = _num_layers(model.config)
+    if L <= full_depth_max:
+        nums = trace_numbers(model.config, setup)
+    else:
+        a = trace_numbers(model.config, setup, depths[0])
+        b = trace_numbers(model.config, setup, depths[1])
+        nums = _extrapolate(a, b, L)
+    return breakdown_from_trace(model, setup, nums)
+
+
+def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers) -> Breakdown:
+    phase_peaks = {ph: nums.phase_peaks[ph].bytes for ph in PHASES}
+    phase = max(PHASES, key=lambda ph: phase_peaks[ph])
+    cats = nums.phase_peaks[phase].categories
+    components = tuple(Component(name=c, bytes=int(cats.get(c, 0)), phases=(phase,)) for c in CATEGORIES)
+    peak = phase_peaks[phase]
+    return Breakdown(
+        model=model.name,
+        setup=setup,
+        tier="traced",
+        components=components,
+        phase_peaks_bytes=phase_peaks,
+        phase=phase,
+        tensor_peak_bytes=peak,
+        peak_allocated_bytes=peak,
+        peak_reserved_bytes=peak,
+        device_total_bytes=peak,
+        params_total=nums.params_total,
+        params_trainable=nums.params_trainable,
+        notes=(f"traced {'at full depth' if nums.num_layers == _num_layers(model.config) else 'and extrapolated'}",),
+    )

@@ -1,0 +1,110 @@
+"""One table of sizes used everywhere: bytes per element, byte-size parsing and formatting.
+
+Nothing here imports torch; dtype names follow torch's spelling without the ``torch.`` prefix.
+"""
+
+from __future__ import annotations
+
+import re
+
+GiB = 1024**3
+MiB = 1024**2
+KiB = 1024
+
+#: Bytes per element of every dtype the estimator reasons about.
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+    "int8": 1,
+    "bool": 1,
+    # bitsandbytes 4-bit: two values per byte, before the absmax scales (see QUANT_BYTES_PER_PARAM).
+    "nf4": 0.5,
+    "fp4": 0.5,
+}
+
+#: Storage dtype of the model weights for each precision setting (the canonical step loads bf16).
+PRECISION_WEIGHT_DTYPE: dict[str, str] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    # Mixed precision keeps fp32 weights (the master copy) and computes in half under autocast.
+    "bf16-mixed": "float32",
+    "fp16-mixed": "float32",
+}
+
+#: Dtype activations are computed in for each precision setting.
+PRECISION_COMPUTE_DTYPE: dict[str, str] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "bf16-mixed": "bfloat16",
+    "fp16-mixed": "float16",
+}
+
+#: Bytes per parameter of a quantised base weight, scales included.
+#: NF4/FP4 with blocksize 64 keep one fp32 absmax per block: 0.5 + 4/64 = 0.5625 B/param; double
+#: quantisation stores the absmax in 8 bits with one fp32 scale per 256 blocks:
+#: 0.5 + 1/64 + 4/(64*256) = 0.515869 B/param (Dettmers et al. 2023, QLoRA, section 3).
+#: LLM.int8 keeps int8 weights and one fp32 scale per output row (added per layer, not here).
+QUANT_BYTES_PER_PARAM: dict[tuple[str, bool], float] = {
+    ("nf4", False): 0.5 + 4 / 64,
+    ("nf4", True): 0.5 + 1 / 64 + 4 / (64 * 256),
+    ("fp4", False): 0.5 + 4 / 64,
+    ("fp4", True): 0.5 + 1 / 64 + 4 / (64 * 256),
+    ("int8", False): 1.0,
+    ("int8", True): 1.0,
+}
+
+#: Optimizer state per trainable parameter, as (number of states, dtype rule).
+#: "param" means the state takes the parameter's dtype (torch.optim allocates zeros_like(param)).
+#: bitsandbytes' 8-bit states are uint8 plus one fp32 absmax per 256-element block
+#: (1 + 4/256 bytes each); tensors under 4096 elements keep 32-bit states.
+OPTIMIZER_STATES: dict[str, tuple[int, str]] = {
+    "adamw": (2, "param"),
+    "adamw-fused": (2, "param"),
+    "adamw-8bit": (2, "8bit"),
+    "paged-adamw-8bit": (2, "8bit"),
+    "lion": (1, "param"),
+    "sgd": (1, "param"),
+    "adafactor": (0, "factored"),
+}
+BNB_8BIT_STATE_BYTES = 1 + 4 / 256
+BNB_MIN_8BIT_SIZE = 4096
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_MULT = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": KiB, "ki": KiB,
+    "m": 1000**2, "mb": 1000**2, "mib": MiB, "mi": MiB,
+    "g": 1000**3, "gb": 1000**3, "gib": GiB, "gi": GiB,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse ``"24GiB"``, ``"24 GB"``, ``"80g"`` or a plain number of bytes into an int.
+
+    Decimal suffixes (GB) are powers of 1000 and binary ones (GiB) powers of 1024, as printed by
+    vendors and by nvidia-smi respectively. Raises ValueError with a message naming the input.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+        unit = ""
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m:
+            raise ValueError(f"cannot read {text!r} as a size; write e.g. 24GiB, 24GB or 25769803776")
+        value, unit = float(m.group(1)), (m.group(2) or "").lower()
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return int(value * _SIZE_MULT[unit])
+
+
+def fmt_bytes(n: float, unit: str = "GiB", digits: int = 2) -> str:
+    """Format a byte count in a fixed binary unit (GiB by default)."""
+    div = {"GiB": GiB, "MiB": MiB, "KiB": KiB, "B": 1}[unit]
+    return f"{n / div:,.{digits}f} {unit}"
