@@ -1,0 +1,45 @@
+"""vramplan: will it fit? GPU memory of one LLM fine-tuning step.
+
+    from vramplan import estimate, load_model, load_gpu, Setup
+    bd = estimate(load_model("llama-3.1-8b"), Setup(method="lora", checkpointing=True), load_gpu("rtx-4090"))
+    bd.fits, bd.device_total_bytes
+
+Importing vramplan never imports torch: ``trace`` (the fake-tensor tier, which does) is loaded on
+first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .estimator import estimate
+from .profiles import load_gpu, load_model
+from .specs import Breakdown, GpuSpec, ModelSpec, Setup, SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .trace import trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "estimate",
+    "trace",
+    "load_model",
+    "load_gpu",
+    "Setup",
+    "ModelSpec",
+    "GpuSpec",
+    "Breakdown",
+    "SpecError",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "trace":
+        # Importing the submodule binds vramplan.trace to the module; rebind the function.
+        from .trace import trace as fn
+
+        globals()["trace"] = fn
+        return fn
+    raise AttributeError(f"module 'vramplan' has no attribute {name!r}")

@@ -106,6 +106,7 @@ def setup_options(fn: Callable) -> Callable:
     """Add every setup option to a command; the command receives them as one ``setup`` (a Setup)."""
 
     @functools.wraps(fn)
+    @_user_errors
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         values = {k: kwargs.pop(k) for k in list(kwargs) if k in _SETUP_FIELDS}
         values["zero_stage"] = int(values["zero_stage"])
@@ -148,11 +149,11 @@ def _gpu_from(gpu_name: str | None, gpu_memory: str | None):
     from .specs import GpuSpec
     from .units import parse_bytes
 
-    if gpu_name and gpu_memory:
+    if gpu_name is not None and gpu_memory is not None:
         raise SpecError("pass --gpu or --gpu-memory, not both")
-    if gpu_name:
+    if gpu_name is not None:
         return load_gpu(gpu_name)
-    if gpu_memory:
+    if gpu_memory is not None:
         try:
             size = parse_bytes(gpu_memory)
         except (ValueError, OverflowError) as exc:

@@ -69,11 +69,23 @@ def layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     # attention core
     impl = attention_impl(model, setup)
     if impl == "eager":
-        # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back, output
-        total += c * q * 3 + c * q + (4 + c) * a * s
+        # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back, the output and
+        # o_proj's contiguous input; Gemma2's soft-capping keeps tanh's output (c*a*s) too
+        total += 4 * c * q + (4 + c) * a * s + (c * q if full else 0)
+        if model.config.get("attn_logit_softcapping") and model.family == "gemma2":
+            total += c * a * s
     else:
         # SDPA/flash: rotated q, k, v, the output (shared with o_proj's input) and fp32 logsumexp
         total += 2 * c * q + 2 * c * kv + 4 * a
+        if model.family == "phi3":
+            # fused qkv: v is a view of the whole qkv output, and o_proj keeps its own copy
+            total += c * (q + 2 * kv) - c * kv + (c * q if full else 0)
+    # q/k norms (Qwen3, Gemma3 per head; OLMo2 over all heads): fp32 input and rsqrt, plus the
+    # normalised tensor when the norm weight trains (fp32 for Gemma-style (1 + w) norms)
+    if model.family in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"):
+        rows = 2 if model.family == "olmo2" else a + model.num_kv_heads
+        normed = (4 if model.family == "gemma3_text" else c) if full else 0
+        total += (4 + normed) * (q + kv) + 4 * rows
     # MLP
     if model.moe is None:
         if model.mlp_kind == "gated":
@@ -128,4 +140,6 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     if full:
         total += c * h  # lm_head input
     total += 4 * V  # log_softmax output (fp32)
+    if model.config.get("final_logit_softcapping"):
+        total += c * V  # tanh output of the final soft-capping (Gemma2)
     return total
