@@ -274,7 +274,7 @@ def _gpt_neox(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.add("embed_tokens", V * h)
     tie = bool(cfg.get("tie_word_embeddings", False))
     if not tie:
-        lay.linear("embed_out", h, V, False, "head", count=1, top=True)
+        lay.linear("lm_head", h, V, False, "head", count=1, top=True)
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=a,
         head_dim=h // a, intermediate_size=i, max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),

@@ -38,6 +38,16 @@ def _warn(message: str) -> None:
     click.echo(f"warning: {' '.join(str(message).split())}", err=True)
 
 
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (e.g. under a test runner)
+        pass
+
+
 def _user_errors(fn: Callable) -> Callable:
     """Turn the errors a user can act on into one line on stderr and exit code 2."""
 
@@ -47,6 +57,10 @@ def _user_errors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except SpecError as exc:
             _fail(str(exc))
+        except BrokenPipeError:
+            # stdout closed early (`vramplan models | head`): not an error of the user's input
+            _silence_stdout()
+            raise SystemExit(1) from None
         except OSError as exc:
             where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
             _fail(f"{where}{exc.strerror or exc}")
@@ -57,7 +71,7 @@ def _user_errors(fn: Callable) -> Callable:
 # ----------------------------------------------------------------------------------------------
 # Setup options: defined once, shared by every command that takes a setup
 
-#: option flag -> Setup field, for the options whose names differ from the field and for messages.
+#: Setup field -> the option that sets it, so validation messages name what the user typed.
 _FLAG = {
     "method": "--method", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
     "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "quant": "--quant",
@@ -185,8 +199,9 @@ def describe(setup: Setup) -> str:
     """One line naming the setup: method, precision, optimizer, shape, memory savers."""
     parts = [setup.method]
     if setup.adapters:
-        targets = setup.lora_targets
-        parts[0] += f" r={setup.lora_rank} alpha={setup.alpha} ({targets})"
+        parts[0] += f" r={setup.lora_rank} alpha={setup.alpha}"
+        if setup.lora_targets != "all-linear":
+            parts[0] += f" on {setup.lora_targets}"
     if setup.quant != "none":
         parts.append(f"{setup.quant} base" + (" (double quant)" if setup.double_quant and setup.quant in ("nf4", "fp4") else ""))
     parts += [setup.precision, setup.optimizer, f"batch {setup.batch} x seq {setup.seq}"]
@@ -208,6 +223,13 @@ def describe(setup: Setup) -> str:
     return " · ".join(parts)
 
 
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+_SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+
+
 def print_breakdown(bd) -> None:
     """The human-readable report of one Breakdown: components, peak phase, headline numbers, fit."""
     from rich.console import Console
@@ -216,8 +238,7 @@ def print_breakdown(bd) -> None:
     console = Console(highlight=False)
     console.print(f"[bold]{bd.model}[/] · {bd.tier}")
     console.print(describe(bd.setup))
-    trainable = f"{bd.params_trainable / 1e9:.3f} B" if bd.params_trainable >= 1e7 else f"{bd.params_trainable / 1e6:.2f} M"
-    console.print(f"params: {bd.params_total / 1e9:.3f} B total, {trainable} trainable")
+    console.print(f"params: {_params(bd.params_total)} total, {_params(bd.params_trainable)} trainable")
 
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("component")
@@ -226,12 +247,14 @@ def print_breakdown(bd) -> None:
     table.add_column("note", overflow="fold")
     for c in bd.components:
         name = c.name if c.where == "gpu" else f"{c.name} ({c.where})"
-        phases = "all" if tuple(c.phases) == ("forward", "backward", "optimizer") else ", ".join(c.phases)
-        table.add_row(name, _gib(c.bytes), phases, c.note)
+        phases = "all" if set(c.phases) >= {"forward", "backward", "optimizer"} else " ".join(_SHORT_PHASE.get(p, p) for p in c.phases)
+        # terms not live in the peak phase are dimmed: they do not add to the peak
+        style = None if bd.phase in c.phases or c.where != "gpu" else "dim"
+        table.add_row(name, _gib(c.bytes), phases, c.note, style=style)
     console.print(table)
 
-    peaks = ", ".join(f"{ph} {_gib(b)}" for ph, b in bd.phase_peaks_bytes.items())
-    console.print(f"peak phase: [bold]{bd.phase}[/] (GiB by phase: {peaks})")
+    peaks = " · ".join(f"{ph} {_gib(b)}" for ph, b in bd.phase_peaks_bytes.items())
+    console.print(f"peak phase: [bold]{bd.phase}[/] ({peaks} GiB)")
     head = Table(show_header=False, show_edge=False, pad_edge=False, box=None)
     head.add_column()
     head.add_column(justify="right")
