@@ -4,7 +4,7 @@ import pytest
 
 from vramplan.profiles import load_model
 from vramplan.specs import Setup, SpecError
-from vramplan.trace import NotTraceable, _extrapolate, trace, trace_numbers
+from vramplan.tracer import NotTraceable, _extrapolate, trace, trace_numbers
 
 pytest.importorskip("torch")
 

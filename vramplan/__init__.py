@@ -17,7 +17,7 @@ from .profiles import load_gpu, load_model
 from .specs import Breakdown, GpuSpec, ModelSpec, Setup, SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .trace import trace
+    from .tracer import trace
 
 __version__ = "0.1.0"
 
@@ -37,8 +37,8 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "trace":
-        # Importing the submodule binds vramplan.trace to the module; rebind the function.
-        from .trace import trace as fn
+        # Importing the submodule binds vramplan.tracer to the module; rebind the function.
+        from .tracer import trace as fn
 
         globals()["trace"] = fn
         return fn

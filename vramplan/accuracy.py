@@ -61,7 +61,7 @@ def compare(model_name: str, setup: Setup, layers: int | None = 4) -> Row:
     estimate it; None layers traces the whole model with per-layer extrapolation."""
     from .estimator import estimate
     from .profiles import load_model
-    from .trace import trace
+    from .tracer import trace
 
     model = load_model(model_name)
     if layers is not None:

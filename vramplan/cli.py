@@ -336,7 +336,7 @@ def trace(model: str, setup: Setup, as_json: bool) -> None:
     """Peak of live tensors when the real transformers/peft step runs on fake tensors (needs torch)."""
     spec = _load(model, setup)
     _quiet_libraries()
-    from .trace import trace as run_trace  # imports torch: only here
+    from .tracer import trace as run_trace  # imports torch: only here
 
     bd = run_trace(spec, setup)
     _print_json(bd.to_json()) if as_json else print_breakdown(bd)

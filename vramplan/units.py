@@ -99,8 +99,8 @@ def parse_bytes(text: str | int | float) -> int:
         if not m:
             raise ValueError(f"cannot read {text!r} as a size; write e.g. 24GiB, 24GB or 25769803776")
         value, unit = float(m.group(1)), (m.group(2) or "").lower()
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"size must be a positive finite number; got {str(text)[:40]!r}")
     return int(value * _SIZE_MULT[unit])
 
 

@@ -27,8 +27,9 @@ def _adapted(model: ModelSpec, setup: Setup) -> list:
         return []
     if setup.lora_targets == "all-linear":
         return [l for l in model.linears if l.role != "head"]
-    names = {t.strip() for t in setup.lora_targets.split(",")}
-    return [l for l in model.linears if l.name in names or l.path in names]
+    names = {t.strip() for t in setup.lora_targets.split(",") if t.strip()}
+    # peft matches a target by the module's own name or by a suffix of its dotted path
+    return [l for l in model.linears if l.name in names or any(l.path.endswith("." + n) or l.path == n for n in names)]
 
 
 def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool) -> float:

@@ -160,7 +160,7 @@ def _make_optimizer(setup: Setup, params):
         return Adafactor(params, lr=1e-5, scale_parameter=False, relative_step=False)
     raise NotTraceable(
         f"optimizer {setup.optimizer!r} cannot run on fake tensors (bitsandbytes/custom kernels); "
-        "use `vramplan measure` for it"
+        "it needs a real run (the measured tier)"
     )
 
 
@@ -199,9 +199,9 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if setup.quant != "none":
-        raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; use `vramplan measure`")
+        raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; it needs a real run (the measured tier)")
     if setup.zero_stage or setup.gpus > 1:
-        raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; use `vramplan measure`")
+        raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; it needs a real run (the measured tier)")
     if setup.precision in ("bf16-mixed", "fp16-mixed"):
         dtype, autocast_dtype = torch.float32, {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setup.precision]
     else:
@@ -376,14 +376,16 @@ def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tu
     L = _num_layers(model.config)
     if L <= full_depth_max:
         nums = trace_numbers(model.config, setup)
+        note = "traced at full depth"
     else:
         a = trace_numbers(model.config, setup, depths[0])
         b = trace_numbers(model.config, setup, depths[1])
         nums = _extrapolate(a, b, L)
-    return breakdown_from_trace(model, setup, nums)
+        note = f"traced at {depths[0]} and {depths[1]} layers, extrapolated to {L}"
+    return breakdown_from_trace(model, setup, nums, note)
 
 
-def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers) -> Breakdown:
+def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, note: str = "") -> Breakdown:
     phase_peaks = {ph: nums.phase_peaks[ph].bytes for ph in PHASES}
     phase = max(PHASES, key=lambda ph: phase_peaks[ph])
     cats = nums.phase_peaks[phase].categories
@@ -402,5 +404,5 @@ def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers) -> 
         device_total_bytes=peak,
         params_total=nums.params_total,
         params_trainable=nums.params_trainable,
-        notes=(f"traced {'at full depth' if nums.num_layers == _num_layers(model.config) else 'and extrapolated'}",),
+        notes=(note,),
     )
