@@ -7,7 +7,6 @@ never a traceback; warnings go to stderr and leave the exit code at 0.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

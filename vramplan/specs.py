@@ -231,8 +231,6 @@ class Setup:
             raise SpecError("offloading parameters needs ZeRO stage 3 (--zero 3)")
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise SpecError("offloading the optimizer needs ZeRO (--zero 1, 2 or 3)")
-        if self.precision == "fp16" and self.method == "full":
-            pass  # allowed (pure fp16 training); the estimator treats it like bf16
         if not self.lora_targets.strip():
             raise SpecError("lora_targets must name modules or be 'all-linear'")
 

@@ -7,6 +7,7 @@ the sum of all terms: optimizer transients and activations never coexist. No tor
 
 from __future__ import annotations
 
+from ..checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..units import BNB_8BIT_STATE_BYTES, DTYPE_BYTES, PRECISION_WEIGHT_DTYPE, QUANT_BYTES_PER_PARAM
 from . import activations as act
@@ -119,7 +120,7 @@ def estimate(
     V, h = model.vocab_size, model.hidden_size
     c = act.compute_bytes(setup)
     L = model.num_layers
-    G_total_gpus = setup.gpus
+    n_gpus = setup.gpus
 
     W = weights_bytes(model, setup)
     A_w = adapter_bytes(model, setup)
@@ -127,7 +128,7 @@ def estimate(
     S = optimizer_state_bytes(model, setup)
     T_opt = optimizer_step_transient_bytes(model, setup)
     host = 0
-    notes: list[str] = []
+    notes = check(model, setup, gpu)  # raises SpecError for a setup peft would refuse
 
     # mixed precision: autocast caches a half copy of each weight for the forward+backward
     cast_cache = 0
@@ -136,12 +137,12 @@ def estimate(
 
     # ZeRO partitioning (first order here; made exact by the DeepSpeed issue)
     if setup.zero_stage >= 1:
-        S //= G_total_gpus
-        T_opt //= G_total_gpus
+        S //= n_gpus
+        T_opt //= n_gpus
     if setup.zero_stage >= 2:
-        G //= G_total_gpus
+        G //= n_gpus
     if setup.zero_stage >= 3:
-        W //= G_total_gpus
+        W //= n_gpus
     if setup.offload_optimizer != "none":
         host += S + T_opt
         S, T_opt = 0, 0
@@ -175,7 +176,7 @@ def estimate(
     if setup.method == "full":
         G_head = _head_params(model) * _weight_dtype_bytes(setup)
         if setup.zero_stage >= 2:
-            G_head //= G_total_gpus
+            G_head //= n_gpus
         G_layer = (G - G_head) / max(L, 1)
         first = base + G_head + A_layers + A_recompute + T_layer + c * N * h
         last = base + G - G_layer + A_recompute + per_layer_kept * N + T_layer + c * N * h
@@ -218,8 +219,6 @@ def estimate(
         Component("nccl", nccl, PHASES) if nccl else None,
         Component("host_offload", host, PHASES, where="host") if host else None,
     ]
-    if model.max_position_embeddings and setup.seq > model.max_position_embeddings:
-        notes.append(f"seq {setup.seq} exceeds max_position_embeddings {model.max_position_embeddings}")
     return Breakdown(
         model=model.name,
         setup=setup,

@@ -9,6 +9,7 @@ i intermediate, a heads, s sequence, c bytes of the compute dtype, r LoRA rank.
 
 from __future__ import annotations
 
+from ..checks import lora_targets
 from ..specs import ModelSpec, Setup
 from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
 
@@ -22,14 +23,10 @@ def attention_impl(model: ModelSpec, setup: Setup) -> str:
 
 
 def _adapted(model: ModelSpec, setup: Setup) -> list:
-    """Linears that get a LoRA adapter (peft's "all-linear" skips the output head)."""
+    """Linears that get a LoRA adapter, resolved as peft resolves ``target_modules``."""
     if not setup.adapters:
         return []
-    if setup.lora_targets == "all-linear":
-        return [l for l in model.linears if l.role != "head"]
-    names = {t.strip() for t in setup.lora_targets.split(",") if t.strip()}
-    # peft matches a target by the module's own name or by a suffix of its dotted path
-    return [l for l in model.linears if l.name in names or any(l.path.endswith("." + n) or l.path == n for n in names)]
+    return lora_targets(model, setup)[0]
 
 
 def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool) -> float:
