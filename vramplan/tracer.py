@@ -164,31 +164,89 @@ def _make_optimizer(setup: Setup, params):
     )
 
 
+def _flash_like():
+    import torch
+
+    class FlashLike(torch.autograd.Function):
+        """Memory stand-in for CUDA flash attention (fake tensors carry no values): saves
+        q, k, v (K/V at their own head count, as with ``enable_gqa``), the output and a fp32
+        logsumexp of shape (b, heads, s); backward allocates dq, dk, dv."""
+
+        @staticmethod
+        def forward(ctx, q, k, v):
+            b, a, s, _ = q.shape
+            out = q.new_empty(b, s, a, v.shape[-1]).transpose(1, 2)
+            lse = q.new_empty(b, a, s, dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, _out, _lse = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    return FlashLike
+
+
+class _LazyFlash:
+    def __getattr__(self, name):
+        cls = _flash_like()
+        globals()["_FlashLike"] = cls
+        return getattr(cls, name)
+
+
+_FlashLike = _LazyFlash()
+
+
 @contextlib.contextmanager
 def _real_code_paths():
-    """Make transformers take the code path it takes on real tensors.
+    """Make the traced step take the code path a real CUDA step takes.
 
-    transformers treats fake tensors as a sign of torch.export/compile tracing (``is_tracing``) and
-    then builds an explicit 4-D causal mask and repeats K/V for SDPA: memory a real eager step
-    never allocates. The tracer is not exporting anything, so it answers "not tracing".
+    - transformers treats fake tensors as a sign of torch.export/compile tracing (``is_tracing``)
+      and then builds an explicit 4-D causal mask and repeats K/V for SDPA, and it reads position
+      ids to detect packed sequences: memory and data a real eager step never touches.
+    - torch's CPU kernels save different tensors than its CUDA kernels. SDPA on CPU picks the
+      math kernel when dropout is on or K/V are grouped (s^2 scores and probabilities saved) and
+      lays its output out so that transformers' ``transpose(1, 2).contiguous()`` copies it for
+      some head sizes; CUDA runs flash attention, which saves q, k, v, its output (laid out
+      (b, s, heads, d)) and a fp32 logsumexp, whatever the dropout and GQA. The tracer runs a
+      stand-in with exactly flash's saved tensors, outputs and gradient allocations.
+      Dropout keeps a 16-bit noise tensor on CPU where CUDA's fused ``native_dropout`` keeps a
+      bool mask: the tracer calls ``native_dropout`` (its CPU version keeps the bool mask too).
     """
+    import torch
+    import torch.nn.functional as F
     from transformers import masking_utils
 
-    patches = {
+    orig_sdpa, orig_dropout = F.scaled_dot_product_attention, F.dropout
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is None and query.dim() == 4:
+            return _FlashLike.apply(query, key, value)
+        return orig_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return orig_dropout(input, p, training, inplace)
+
+    patches = [
         # real tensors are not being exported: take the eager path (is_causal SDPA, GQA kernel)
-        "is_tracing": lambda tensor=None: False,
-        # the canonical step passes no position_ids, so the sequences are never packed; on real
-        # tensors transformers finds that by reading the data, which fake tensors do not have
-        "find_packed_sequence_indices": lambda position_ids: None,
-    }
-    saved = {k: getattr(masking_utils, k) for k in patches}
-    for k, v in patches.items():
-        setattr(masking_utils, k, v)
+        (masking_utils, "is_tracing", lambda tensor=None: False),
+        # the canonical step passes no position_ids, so sequences are never packed
+        (masking_utils, "find_packed_sequence_indices", lambda position_ids: None),
+        (F, "scaled_dot_product_attention", sdpa),
+        (F, "dropout", dropout),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            setattr(masking_utils, k, v)
+        for obj, name, value in saved:
+            setattr(obj, name, value)
 
 
 def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, steps: int = 2) -> TraceNumbers:

@@ -1,17 +1,78 @@
 """Saved activations per token: what autograd keeps between forward and backward.
 
-Each function returns bytes per token for one decoder layer (or for the model's ends), read off
-the modeling code of transformers 5 and peft and checked op by op with ``vramplan trace``
-(the tracer's ``saved_detail`` lists every saved storage). Notation as in
-Korthikanti et al. 2022 (arXiv 2205.05198): h hidden, q = heads*head_dim, kv = kv_heads*head_dim,
-i intermediate, a heads, s sequence, c bytes of the compute dtype, r LoRA rank.
+Each function returns bytes per token, read off the modeling code of transformers 5 and peft and
+checked op by op with the tracer (``vramplan.tracer.trace_numbers(...).saved_detail`` lists every
+saved storage with the module that saved it). Notation as in Korthikanti et al. 2022
+(arXiv 2205.05198): h hidden, q = heads*head_dim, kv = kv_heads*head_dim, i intermediate, a heads,
+s sequence, c bytes of the compute dtype, r LoRA rank. Attention is costed as CUDA runs it: SDPA
+picks flash attention for a causal step without a mask (q, k, v, output, fp32 logsumexp).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..checks import lora_targets
 from ..specs import ModelSpec, Setup
 from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
+
+#: Elementwise tensors an activation function saves for backward, in units of its input.
+#: F.silu / F.gelu (exact or tanh) save their input; GPT-2's NewGELUActivation is written out in
+#: Python (0.5*x*(1+tanh(k*(x+0.044715*x^3)))) and keeps four.
+ACTIVATION_SAVES = {"silu": 1, "gelu": 1, "gelu_tanh": 1, "gelu_new": 4, "relu": 1, "swish": 1}
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What of a family's layer shape changes what autograd saves."""
+
+    norm: str  # rms (llama), rms_fp32_mul (gemma, olmo2), layernorm, cohere
+    norms_per_layer: int
+    shared_norm: bool  # attention and MLP read the same norm output (parallel blocks)
+    fused_qkv: bool  # q, k, v are views of one projection's output
+    rope: bool
+    rope_bytes: int  # dtype of the cos/sin tables
+    qk_norm_rows: int  # 0: none; per-head norms: heads + kv heads; OLMo2: 2
+    dropout_masks_per_layer: int  # hidden-state dropouts with p > 0 (bool masks, 1 B/element)
+    embedding_dropout: bool
+
+
+def _p(cfg: dict, *keys: str) -> float:
+    return max(float(cfg.get(k) or 0.0) for k in keys)
+
+
+def traits(model: ModelSpec) -> Traits:
+    f, cfg = model.family, model.config
+    norm = {"gemma": "rms_fp32_mul", "gemma2": "rms_fp32_mul", "gemma3_text": "rms_fp32_mul",
+            "olmo2": "rms_fp32_mul", "cohere": "cohere"}.get(f, "layernorm" if model.norm_kind == "layernorm" else "rms")
+    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "gptj": 1}.get(f, 2)
+    parallel = f in ("cohere", "gptj") or (f == "stablelm" and bool(cfg.get("use_parallel_residual")))
+    if f == "stablelm" and parallel:
+        norms = 1
+    qk_rows = 0
+    if f in ("qwen3", "qwen3_moe", "gemma3_text"):
+        qk_rows = model.num_heads + model.num_kv_heads
+    elif f == "olmo2":
+        qk_rows = 2
+    masks, embed_drop = 0, False
+    if f == "gpt2":
+        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
+    elif f == "gptj":
+        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
+    elif f == "starcoder2":
+        masks, embed_drop = 2 * (_p(cfg, "residual_dropout") > 0), _p(cfg, "embedding_dropout") > 0
+    elif f == "gpt_neox":
+        masks = 2 * (_p(cfg, "hidden_dropout") > 0)
+    elif f == "phi3":
+        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
+    elif f == "stablelm":
+        masks = 1 * (_p(cfg, "hidden_dropout") > 0)
+    return Traits(
+        norm=norm, norms_per_layer=norms, shared_norm=parallel,
+        fused_qkv=any(l.name in ("qkv_proj", "query_key_value", "c_attn") for l in model.linears),
+        rope=f != "gpt2", rope_bytes=4 if f == "olmo2" else 0, qk_norm_rows=qk_rows,
+        dropout_masks_per_layer=masks, embedding_dropout=embed_drop,
+    )
 
 
 def compute_bytes(setup: Setup) -> int:
@@ -29,75 +90,78 @@ def _adapted(model: ModelSpec, setup: Setup) -> list:
     return lora_targets(model, setup)[0]
 
 
-def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool) -> float:
-    """One norm over h. RMSNorm (llama): fp32 upcast of the input (4h) and the fp32 rsqrt (4),
-    plus the c-byte normalised tensor when ``weight * x`` needs it for the weight's gradient.
-    LayerNorm (F.layer_norm): input (c*h) and fp32 mean and rstd (8)."""
-    h, c = model.hidden_size, compute_bytes(setup)
-    if model.norm_kind == "rmsnorm":
-        gemma = model.family in ("gemma", "gemma2", "gemma3_text")
-        if gemma:
-            # Gemma computes (1 + w) * x in fp32: keeps the fp32 input, rsqrt and, with a
-            # trainable weight, the fp32 normalised tensor.
-            return 4 * h + 4 + (4 * h if trainable_weight else 0)
-        return 4 * h + 4 + (c * h if trainable_weight else 0)
-    return c * h + 8
+def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: int | None = None, rows: int = 1) -> float:
+    """One norm over ``width`` (h by default), ``rows`` of them per token.
+
+    - rms (llama): fp32 upcast of the input (4w) and rsqrt (4), plus the c-byte normalised tensor
+      when ``weight * x`` needs it for the weight's gradient;
+    - rms_fp32_mul (Gemma's (1 + w) * x, OLMo2's w * x in fp32): the normalised tensor is fp32;
+    - layernorm (F.layer_norm): input (c*w) and mean and rstd;
+    - cohere (CohereLayerNorm in fp32): x - mean computed twice (2 x 4w), rsqrt, fp32 normalised.
+    """
+    w, c = width or model.hidden_size, compute_bytes(setup)
+    style = traits(model).norm
+    if style == "rms":
+        return 4 * w + 4 * rows + (c * w if trainable_weight else 0)
+    if style == "rms_fp32_mul":
+        return 4 * w + 4 * rows + (4 * w if trainable_weight else 0)
+    if style == "cohere":
+        return 8 * w + 4 * rows + (4 * w if trainable_weight else 0)
+    return c * w + 2 * c * rows
+
+
+def attention_bytes(model: ModelSpec, setup: Setup) -> float:
+    """Attention core per token (its input projection's input is counted with the linears)."""
+    c, q, kv, a, s = compute_bytes(setup), model.q_dim, model.kv_dim, model.num_heads, setup.seq
+    t = traits(model)
+    full = setup.method == "full"
+    if attention_impl(model, setup) == "eager":
+        # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back to c, the
+        # output and o_proj's contiguous copy; Gemma2's soft-capping keeps tanh's output too
+        total = 4 * c * q + (4 + c) * a * s + (c * q if full else 0)
+        if model.config.get("attn_logit_softcapping") and model.family == "gemma2":
+            total += c * a * s
+        return total
+    # flash/SDPA: q and k after RoPE (new tensors), v, the output (which o_proj reads), logsumexp;
+    # with a fused projection v (and, without RoPE, q and k) are views of its whole output
+    total = c * q + 4 * a
+    if t.fused_qkv:
+        total += c * (q + 2 * kv) + (c * (q + kv) if t.rope else 0)
+    else:
+        total += 2 * c * kv + c * q
+    if t.qk_norm_rows:
+        total += norm_bytes(model, setup, full, width=q + kv, rows=t.qk_norm_rows)
+    return total
+
+
+def mlp_bytes(model: ModelSpec, setup: Setup) -> float:
+    """Dense MLP per token, its input excluded. Gated (SwiGLU/GeGLU): gate output (the
+    activation's input), activation output and up output for the product's backward, and the
+    product itself when down_proj's weight trains. Plain: the activation's saves, and its output
+    when the second projection's weight trains."""
+    c, i = compute_bytes(setup), model.intermediate_size
+    full = setup.method == "full"
+    act = ACTIVATION_SAVES.get(model.activation, 1)
+    if model.mlp_kind == "gated":
+        return c * i * (act + 2) + (c * i if full else 0)
+    return c * i * act + (c * i if full else 0)
 
 
 def layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     """Saved bytes per token of one decoder layer without checkpointing."""
     h, c = model.hidden_size, compute_bytes(setup)
-    q, kv, a, i = model.q_dim, model.kv_dim, model.num_heads, model.intermediate_size
+    t = traits(model)
     full = setup.method == "full"
-    adapted = _adapted(model, setup)
-    s = setup.seq
-
-    # norms (input, post-attention; Gemma2/3 add pre/post feed-forward norms)
-    norms_per_layer = {"gemma2": 4, "gemma3_text": 4, "cohere": 1}.get(model.family, 2)
-    if model.family == "stablelm" and model.config.get("use_parallel_residual"):
-        norms_per_layer = 1
-    total = norms_per_layer * norm_bytes(model, setup, trainable_weight=full)
-
-    # inputs of trainable linears, c bytes each, once per distinct input tensor
-    if full:
-        total += c * h  # q/k/v (or fused qkv) input: the norm output
-        total += c * h if model.moe is None and model.family not in ("cohere",) else 0  # mlp input
-        if model.moe is not None:
-            total += c * h
-    # attention core
-    impl = attention_impl(model, setup)
-    if impl == "eager":
-        # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back, the output and
-        # o_proj's contiguous input; Gemma2's soft-capping keeps tanh's output (c*a*s) too
-        total += 4 * c * q + (4 + c) * a * s + (c * q if full else 0)
-        if model.config.get("attn_logit_softcapping") and model.family == "gemma2":
-            total += c * a * s
-    else:
-        # SDPA/flash: rotated q, k, v, the output (shared with o_proj's input) and fp32 logsumexp
-        total += 2 * c * q + 2 * c * kv + 4 * a
-        if model.family == "phi3":
-            # fused qkv: v is a view of the whole qkv output, and o_proj keeps its own copy
-            total += c * (q + 2 * kv) - c * kv + (c * q if full else 0)
-    # q/k norms (Qwen3, Gemma3 per head; OLMo2 over all heads): fp32 input and rsqrt, plus the
-    # normalised tensor when the norm weight trains (fp32 for Gemma-style (1 + w) norms)
-    if model.family in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"):
-        rows = 2 if model.family == "olmo2" else a + model.num_kv_heads
-        normed = (4 if model.family == "gemma3_text" else c) if full else 0
-        total += (4 + normed) * (q + kv) + 4 * rows
-    # MLP
-    if model.moe is None:
-        if model.mlp_kind == "gated":
-            total += 3 * c * i + (c * i if full else 0)  # gate out, act out, up out (+ down input)
-        else:
-            total += c * i + (c * i if full else c * i)  # fc out (act input) + act out (fc2 input)
-    else:
-        total += moe_bytes_per_token(model, setup)
-    # LoRA adapters: peft casts the input to the adapter dtype (fp32) and lora_B keeps lora_A's out
-    for l in adapted:
-        if l.role == "head":
-            continue
-        share = l.count / model.num_layers
-        total += share * (4 * l.in_features + 4 * setup.lora_rank)
+    total = t.norms_per_layer * norm_bytes(model, setup, trainable_weight=full)
+    if full:  # inputs of trainable projections: once per distinct norm output
+        total += c * h * (1 if t.shared_norm else 2)
+    total += attention_bytes(model, setup)
+    total += mlp_bytes(model, setup) if model.moe is None else moe_bytes_per_token(model, setup)
+    total += t.dropout_masks_per_layer * h
+    # LoRA: peft casts each adapter's input to the adapter dtype (fp32), lora_B keeps lora_A's out
+    for l in _adapted(model, setup):
+        if l.role != "head":
+            total += l.count / model.num_layers * (4 * l.in_features + 4 * setup.lora_rank)
     return total
 
 
@@ -125,15 +189,19 @@ def checkpoint_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
 
 
 def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
-    """Saved outside the decoder layers: token ids, RoPE cos/sin, final norm, head input, and the
-    fp32 log-probabilities cross-entropy keeps (transformers' ForCausalLMLoss upcasts logits)."""
+    """Saved outside the decoder layers: token ids, RoPE cos/sin, embedding dropout, final norm,
+    head input, and the fp32 log-probabilities cross-entropy keeps (transformers'
+    ForCausalLMLoss upcasts the logits)."""
     h, c, V = model.hidden_size, compute_bytes(setup), model.vocab_size
+    t = traits(model)
     full = setup.method == "full"
     total = 8.0  # labels (int64) for nll_loss
     if full:
-        total += 8  # input ids for the embedding backward
-    if model.family not in ("gpt2",):
-        total += 2 * c * model.head_dim  # cos and sin, shared by every layer
+        total += 8 * (2 if model.family == "gpt2" else 1)  # ids for the embedding backward(s)
+    if t.rope:
+        total += 2 * (t.rope_bytes or c) * rope_dim(model)  # cos and sin, shared by every layer
+    if t.embedding_dropout and full:
+        total += h
     total += norm_bytes(model, setup, trainable_weight=full)
     if full:
         total += c * h  # lm_head input
@@ -141,3 +209,17 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     if model.config.get("final_logit_softcapping"):
         total += c * V  # tanh output of the final soft-capping (Gemma2)
     return total
+
+
+def rope_dim(model: ModelSpec) -> int:
+    """Width of the cos/sin tables: the rotated part of a head."""
+    cfg = model.config
+    if model.family == "gptj":
+        return int(cfg.get("rotary_dim") or model.head_dim) // 2
+    if model.family == "gpt_neox":
+        return int(model.head_dim * float(cfg.get("rotary_pct", 1.0)))
+    if model.family == "stablelm":
+        return int(model.head_dim * float(cfg.get("partial_rotary_factor", 0.25)))
+    if model.family == "deepseek_v2":
+        return int(cfg.get("qk_rope_head_dim") or model.head_dim)
+    return model.head_dim
