@@ -11,6 +11,7 @@ from ..checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..units import BNB_8BIT_STATE_BYTES, DTYPE_BYTES, PRECISION_WEIGHT_DTYPE, QUANT_BYTES_PER_PARAM
 from . import activations as act
+from .lora import adapted_linears, lora_params
 from .corrections import DEFAULT_CORRECTIONS, Corrections
 
 __all__ = ["estimate", "Corrections", "DEFAULT_CORRECTIONS", "lora_params", "trainable_params"]
@@ -18,11 +19,6 @@ __all__ = ["estimate", "Corrections", "DEFAULT_CORRECTIONS", "lora_params", "tra
 
 # ----------------------------------------------------------------------------------------------
 # parameters
-
-
-def lora_params(model: ModelSpec, setup: Setup) -> int:
-    """r * (d_in + d_out) per adapted Linear (Hu et al. 2021, LoRA, section 4.1)."""
-    return sum(l.count * setup.lora_rank * (l.in_features + l.out_features) for l in act._adapted(model, setup))
 
 
 def trainable_params(model: ModelSpec, setup: Setup) -> int:
@@ -75,8 +71,8 @@ def optimizer_state_bytes(model: ModelSpec, setup: Setup) -> int:
         return int(2 * n * BNB_8BIT_STATE_BYTES)
     # adafactor: per matrix (out + in) fp32 entries; vectors keep a full state
     if setup.adapters:
-        mats = [(l.count, setup.lora_rank, l.in_features) for l in act._adapted(model, setup)]
-        mats += [(l.count, l.out_features, setup.lora_rank) for l in act._adapted(model, setup)]
+        mats = [(l.count, setup.lora_rank, l.in_features) for l in adapted_linears(model, setup)]
+        mats += [(l.count, l.out_features, setup.lora_rank) for l in adapted_linears(model, setup)]
         return int(4 * sum(c * (a + b) for c, a, b in mats))
     return int(4 * sum(l.count * (l.in_features + l.out_features) for l in model.linears)
                + 4 * model.vocab_size * 2 + 4 * model.hidden_size * 2)
@@ -160,9 +156,13 @@ def estimate(
         per_layer_kept = act.checkpoint_bytes_per_token(model, setup)
     else:
         per_layer_kept = act.layer_bytes_per_token(model, setup)
-    A_layers = int(L * per_layer_kept * N)
+    A_layers = int(L * per_layer_kept * N) + (0 if setup.checkpointing else int(act.moe_lora_weight_bytes(model, setup)))
     A_glob = int(act.global_bytes_per_token(model, setup) * N)
-    A_recompute = int(act.layer_bytes_per_token(model, setup) * N) if setup.checkpointing else 0
+    A_recompute = 0
+    if setup.checkpointing:
+        A_recompute = int(act.layer_bytes_per_token(model, setup) * N)
+        if model.moe is not None:
+            A_recompute += int(act.moe_lora_weight_bytes(model, setup) / model.moe.num_moe_layers)
     logits_fwd = (c + 4) * N * V  # c-byte logits and their fp32 copy (log-probs are saved)
     logits_bwd = 8 * N * V  # grad of the log-probs and of the fp32 logits (log_softmax backward)
     i_max = max(model.intermediate_size, (model.moe.expert_intermediate_size * model.moe.top_k) if model.moe else 0)

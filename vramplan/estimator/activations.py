@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import lora_targets
 from ..specs import ModelSpec, Setup
 from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
+from .lora import adapted_linears, converted_moe
 
 #: Elementwise tensors an activation function saves for backward, in units of its input.
 #: F.silu / F.gelu (exact or tanh) save their input; GPT-2's NewGELUActivation is written out in
@@ -83,13 +83,6 @@ def attention_impl(model: ModelSpec, setup: Setup) -> str:
     return model.default_attn if setup.attn == "auto" else setup.attn
 
 
-def _adapted(model: ModelSpec, setup: Setup) -> list:
-    """Linears that get a LoRA adapter, resolved as peft resolves ``target_modules``."""
-    if not setup.adapters:
-        return []
-    return lora_targets(model, setup)[0]
-
-
 def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: int | None = None, rows: int = 1) -> float:
     """One norm over ``width`` (h by default), ``rows`` of them per token.
 
@@ -115,6 +108,8 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
     c, q, kv, a, s = compute_bytes(setup), model.q_dim, model.kv_dim, model.num_heads, setup.seq
     t = traits(model)
     full = setup.method == "full"
+    if model.family == "deepseek_v2" and attention_impl(model, setup) != "eager":
+        return mla_attention_bytes(model, setup)
     if attention_impl(model, setup) == "eager":
         # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back to c, the
         # output and o_proj's contiguous copy; Gemma2's soft-capping keeps tanh's output too
@@ -159,28 +154,75 @@ def layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     total += mlp_bytes(model, setup) if model.moe is None else moe_bytes_per_token(model, setup)
     total += t.dropout_masks_per_layer * h
     # LoRA: peft casts each adapter's input to the adapter dtype (fp32), lora_B keeps lora_A's out
-    for l in _adapted(model, setup):
+    for l in adapted_linears(model, setup):
         if l.role != "head":
             total += l.count / model.num_layers * (4 * l.in_features + 4 * setup.lora_rank)
     return total
 
 
 def moe_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
-    """Routed experts (transformers' grouped_mm path) per token, averaged over layers."""
+    """MLP of a MoE model per token, averaged over its layers (dense layers included).
+
+    transformers 5 routes with a top-k router (fp32 softmax over E, int64 indices, fp32 top-k
+    weights when they are renormalised) and runs the experts through ``grouped_mm`` on the
+    tokens sorted by expert (three int64 index vectors of length k per token). Saved per routed
+    token: the gate_up output (the activation's input and the up half), the activation output,
+    the routing weight and the down output it scales; when the expert weights train (full, or
+    peft's ParamWrapper on them) also the gathered input and the product down_proj reads.
+    """
     moe = model.moe
     assert moe is not None
-    h, c, k, ei = model.hidden_size, compute_bytes(setup), moe.top_k, moe.expert_intermediate_size
-    E = moe.num_experts
-    per_moe = (
-        4 * E  # router logits softmax in fp32
-        + k * (c * h + 2 * c * 2 * ei + c * ei + c * h)  # gathered input, gate_up out, act, down out
-        + c * h
-    )
-    if moe.shared_expert_intermediate_size:
-        per_moe += 3 * c * moe.shared_expert_intermediate_size + c * h
+    h, c, k, ei, E = model.hidden_size, compute_bytes(setup), moe.top_k, moe.expert_intermediate_size, moe.num_experts
+    full = setup.method == "full"
+    experts_train = full or (setup.adapters and converted_moe(model))
+    router = 4 * E + 8 * k + ((4 + 4 * k) if moe.norm_topk_prob else 0)
+    if setup.adapters and converted_moe(model):
+        router += c * h  # the LoRA-merged router weight trains: its input is kept
+    weight_bytes = 4 if model.family == "mixtral" else c
+    routed = 24 * k + k * (c * 2 * ei + c * ei + weight_bytes + c * h)
+    if experts_train:
+        routed += k * (c * h + c * ei)
+    shared = 0.0
+    si = moe.shared_expert_intermediate_size
+    if si:
+        shared = 3 * c * si + (c * si if full else 0)
+        if moe.gated_shared_expert:
+            shared += c + c * h  # sigmoid gate output and the shared expert's output it scales
+    per_moe = router + routed + shared
     dense_layers = model.num_layers - moe.num_moe_layers
-    dense = 3 * c * model.intermediate_size + (c * model.intermediate_size if setup.method == "full" else 0)
+    dense = mlp_bytes(model, setup)
     return (per_moe * moe.num_moe_layers + dense * dense_layers) / model.num_layers
+
+
+def moe_lora_weight_bytes(model: ModelSpec, setup: Setup) -> float:
+    """Per step, not per token: peft's ParamWrapper folds the LoRA factors into a full copy of
+    each MoE layer's expert stack (and router) for the forward, and grouped_mm keeps that copy
+    for backward, with the factors cast to the compute dtype. Summed over the MoE layers."""
+    if not (setup.adapters and converted_moe(model)):
+        return 0.0
+    from .lora import expert_lora_params
+
+    moe, h, c = model.moe, model.hidden_size, compute_bytes(setup)
+    E, ei = moe.num_experts, moe.expert_intermediate_size
+    router_lora = setup.lora_rank * (h + E)
+    factors = expert_lora_params(model, setup) / moe.num_moe_layers - router_lora
+    return moe.num_moe_layers * c * (3 * E * ei * h + E * h + factors)
+
+
+def mla_attention_bytes(model: ModelSpec, setup: Setup) -> float:
+    """DeepSeek-V2 multi-head latent attention per token: the q and kv low-rank norms (and the
+    normalised inputs of q_b/kv_b when they train), q and k at nope+rope width, kv_b's output
+    (v is a view of it), the output and the logsumexp."""
+    cfg, c, a = model.config, compute_bytes(setup), model.num_heads
+    full = setup.method == "full"
+    nope, rope, vd, kvr = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    qr = cfg.get("q_lora_rank", 1536)
+    total = 0.0
+    if qr:
+        total += norm_bytes(model, setup, full, width=qr) + (c * qr if full else 0)
+    total += norm_bytes(model, setup, full, width=kvr) + (c * kvr if full else 0)
+    total += 2 * c * a * (nope + rope) + c * a * (nope + vd) + c * a * vd + 4 * a
+    return total
 
 
 def checkpoint_bytes_per_token(model: ModelSpec, setup: Setup) -> float:

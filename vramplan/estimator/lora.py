@@ -1,0 +1,57 @@
+"""What LoRA adapts, as peft resolves it, and how many parameters that adds.
+
+peft 0.21 with transformers 5: "all-linear" wraps every nn.Linear but the output head. For MoE
+families whose experts transformers 5 fused into 3-D parameters and whose checkpoints it converts
+(``transformers.conversion_mapping``: mixtral, and the families mapped to the qwen2_moe pattern
+such as qwen3_moe and deepseek_v2 -- but not qwen2_moe itself), peft's
+``utils/transformers_weight_conversion.py`` rewrites the targets the way they were in v4: the
+router ``gate`` and the experts' ``gate_up_proj``/``down_proj`` become ``target_parameters``
+(``lora.ParamWrapper``: rank r per expert, doubled with alpha for the fused gate_up), and nn.Linear
+modules with those v4 names (dense and shared-expert MLPs) are no longer targeted.
+"""
+
+from __future__ import annotations
+
+from ..checks import lora_targets
+from ..specs import LinearSpec, ModelSpec, Setup
+
+#: v4 names that peft maps to v5 parameters, per conversion pattern.
+_CONVERTED_NAMES = {
+    "mixtral": {"gate", "w1", "w2", "w3"},
+    "qwen2_moe": {"gate", "gate_proj", "up_proj", "down_proj"},
+}
+_PATTERN = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe", "deepseek_v2": "qwen2_moe"}
+
+
+def converted_moe(model: ModelSpec) -> bool:
+    """Does peft put LoRA on this model's fused experts and router (see the module docstring)?"""
+    return model.moe is not None and model.family in _PATTERN
+
+
+def adapted_linears(model: ModelSpec, setup: Setup) -> list[LinearSpec]:
+    """nn.Linear modules that get a LoRA adapter."""
+    if not setup.adapters:
+        return []
+    targeted = lora_targets(model, setup)[0]
+    if converted_moe(model) and setup.lora_targets == "all-linear":
+        names = _CONVERTED_NAMES[_PATTERN[model.family]]
+        targeted = [l for l in targeted if l.name not in names]
+    return targeted
+
+
+def expert_lora_params(model: ModelSpec, setup: Setup) -> int:
+    """ParamWrapper adapters on the router weight (E x h: r (h + E)) and on the stacked experts:
+    gate_up (E x 2i x h) at rank 2r per expert -> 2rE (h + 2i); down (E x h x i) -> rE (i + h)."""
+    if not (setup.adapters and converted_moe(model) and setup.lora_targets == "all-linear"):
+        return 0
+    moe, h, r = model.moe, model.hidden_size, setup.lora_rank
+    E, i = moe.num_experts, moe.expert_intermediate_size
+    per_layer = r * (h + E) + 2 * r * E * (h + 2 * i) + r * E * (i + h)
+    return moe.num_moe_layers * per_layer
+
+
+def lora_params(model: ModelSpec, setup: Setup) -> int:
+    """r * (d_in + d_out) per adapted Linear (Hu et al. 2021, LoRA, section 4.1), plus the
+    experts' and router's ParamWrapper adapters."""
+    linear = sum(l.count * setup.lora_rank * (l.in_features + l.out_features) for l in adapted_linears(model, setup))
+    return linear + expert_lora_params(model, setup)
