@@ -135,9 +135,8 @@ def truncate_config(config: dict, num_layers: int) -> dict:
     """Copy of an HF config dict with ``num_layers`` decoder layers, per-layer lists cut to match."""
     cfg = dict(config)
     key = "n_layer" if "n_layer" in cfg and "num_hidden_layers" not in cfg else "num_hidden_layers"
-    old = cfg.get(key)
     cfg[key] = num_layers
-    if isinstance(cfg.get("layer_types"), list) and old:
+    if isinstance(cfg.get("layer_types"), list) and len(cfg["layer_types"]) != num_layers:
         cfg["layer_types"] = list(cfg["layer_types"][:num_layers])
     if isinstance(cfg.get("mlp_only_layers"), list):
         cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]

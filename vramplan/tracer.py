@@ -168,22 +168,24 @@ def _flash_like():
     import torch
 
     class FlashLike(torch.autograd.Function):
-        """Memory stand-in for CUDA flash attention (fake tensors carry no values): saves
-        q, k, v (K/V at their own head count, as with ``enable_gqa``), the output and a fp32
-        logsumexp of shape (b, heads, s); backward allocates dq, dk, dv."""
+        """Memory stand-in for CUDA's fused SDPA kernels (fake tensors carry no values): saves
+        q, k, v (K/V at their own head count, as with ``enable_gqa``), the output, a fp32
+        logsumexp of shape (b, heads, s) and the mask if there is one; backward allocates dq,
+        dk, dv."""
 
         @staticmethod
-        def forward(ctx, q, k, v):
+        def forward(ctx, q, k, v, mask=None):
             b, a, s, _ = q.shape
             out = q.new_empty(b, s, a, v.shape[-1]).transpose(1, 2)
             lse = q.new_empty(b, a, s, dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, out, lse)
+            # with a mask CUDA runs the memory-efficient kernel, which also keeps the mask (attn_bias)
+            ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
             return out
 
         @staticmethod
         def backward(ctx, grad_out):
-            q, k, v, _out, _lse = ctx.saved_tensors
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            q, k, v = ctx.saved_tensors[:3]
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
     return FlashLike
 
@@ -221,8 +223,8 @@ def _real_code_paths():
     orig_sdpa, orig_dropout = F.scaled_dot_product_attention, F.dropout
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is None and query.dim() == 4:
-            return _FlashLike.apply(query, key, value)
+        if query.dim() == 4 and (attn_mask is None or attn_mask.dtype == torch.bool):
+            return _FlashLike.apply(query, key, value, attn_mask)
         return orig_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
 
@@ -398,43 +400,64 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
     )
 
 
-def _extrapolate(a: TraceNumbers, b: TraceNumbers, num_layers: int) -> TraceNumbers:
-    """Per-layer linear extrapolation from traces at depths ``a.num_layers`` < ``b.num_layers``."""
-    k = (num_layers - a.num_layers) / (b.num_layers - a.num_layers)
+def _combine(base: TraceNumbers, deltas: list[tuple[TraceNumbers, TraceNumbers, float]], num_layers: int) -> TraceNumbers:
+    """``base`` plus, for each (lo, hi, n), n times the per-layer difference hi - lo."""
 
-    def lin(x: int, y: int) -> int:
-        return round(x + (y - x) * k)
+    def value(get) -> int:
+        return round(get(base) + sum(n * (get(hi) - get(lo)) for lo, hi, n in deltas))
 
     peaks = {}
     for ph in PHASES:
-        pa, pb = a.phase_peaks[ph], b.phase_peaks[ph]
-        cats = {c: lin(pa.categories.get(c, 0), pb.categories.get(c, 0)) for c in CATEGORIES}
-        peaks[ph] = _PhasePeak(bytes=lin(pa.bytes, pb.bytes), categories=cats)
+        cats = {c: value(lambda t, ph=ph, c=c: t.phase_peaks[ph].categories.get(c, 0)) for c in CATEGORIES}
+        peaks[ph] = _PhasePeak(bytes=value(lambda t, ph=ph: t.phase_peaks[ph].bytes), categories=cats)
     return TraceNumbers(
         num_layers=num_layers,
         phase_peaks=peaks,
-        params_total=lin(a.params_total, b.params_total),
-        params_trainable=lin(a.params_trainable, b.params_trainable),
-        saved_by_module=b.saved_by_module,
+        params_total=value(lambda t: t.params_total),
+        params_trainable=value(lambda t: t.params_trainable),
+        saved_by_module=base.saved_by_module,
     )
+
+
+def _extrapolate(a: TraceNumbers, b: TraceNumbers, num_layers: int) -> TraceNumbers:
+    """Per-layer linear extrapolation from traces at depths ``a.num_layers`` < ``b.num_layers``."""
+    per_layer = (num_layers - a.num_layers) / (b.num_layers - a.num_layers)
+    return _combine(a, [(a, b, per_layer)], num_layers)
 
 
 def _num_layers(config: dict) -> int:
     return int(config.get("num_hidden_layers") or config.get("n_layer"))
 
 
+def _layer_types(config: dict) -> list[str] | None:
+    """Per-layer attention types as transformers resolves them (sliding/full), if the family has them."""
+    hf = _hf_config(config, None)
+    types = getattr(hf, "layer_types", None)
+    return list(types) if types else None
+
+
 def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tuple[int, int] = (2, 3)) -> Breakdown:
     """Traced Breakdown of ``setup`` on ``model``.
 
-    Models with more than ``full_depth_max`` layers are traced at the two ``depths`` and
-    extrapolated linearly per layer: every layer of a decoder stack adds the same bytes to each
-    phase's peak (weights, gradients, states and saved activations per layer), which
-    ``tests/test_trace.py`` checks against a full-depth trace.
+    Models with more than ``full_depth_max`` layers are traced at two depths and extrapolated
+    linearly per layer: every layer of a decoder stack adds the same bytes to each phase's peak
+    (weights, gradients, states and saved activations), which ``tests/test_trace.py`` checks
+    against a full-depth trace. Families mixing layer types (Gemma2/3 sliding and full attention)
+    are extrapolated per type: one extra trace adds a layer of each type to the base.
     """
     L = _num_layers(model.config)
     if L <= full_depth_max:
-        nums = trace_numbers(model.config, setup)
-        note = "traced at full depth"
+        return breakdown_from_trace(model, setup, trace_numbers(model.config, setup), "traced at full depth")
+    types = _layer_types(model.config)
+    if types and len(set(types)) > 1:
+        base_types = [types[0]] * depths[0]
+        base = trace_numbers(dict(model.config, layer_types=base_types), setup, depths[0])
+        deltas = []
+        for t in dict.fromkeys(types):
+            plus = trace_numbers(dict(model.config, layer_types=base_types + [t]), setup, depths[0] + 1)
+            deltas.append((base, plus, types.count(t) - base_types.count(t)))
+        nums = _combine(base, deltas, L)
+        note = f"traced at {depths[0]} layers plus one of each layer type, extrapolated to {L}"
     else:
         a = trace_numbers(model.config, setup, depths[0])
         b = trace_numbers(model.config, setup, depths[1])

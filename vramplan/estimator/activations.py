@@ -75,6 +75,34 @@ def traits(model: ModelSpec) -> Traits:
     )
 
 
+def sliding_layers(model: ModelSpec) -> int:
+    """Layers with sliding-window attention, as transformers' config classes lay them out."""
+    cfg, L, f = model.config, model.num_layers, model.family
+    if not cfg.get("sliding_window"):
+        return 0
+    if isinstance(cfg.get("layer_types"), list):
+        return sum(t == "sliding_attention" for t in cfg["layer_types"][:L])
+    if f == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return sum((i + 1) % pattern != 0 for i in range(L))
+    if f == "gemma2":
+        return sum(i % 2 == 0 for i in range(L))
+    if f in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        return 0 if not cfg.get("use_sliding_window") else L - min(L, int(cfg.get("max_window_layers") or L))
+    return L
+
+
+def masked_layers(model: ModelSpec, setup: Setup) -> int:
+    """Layers whose SDPA call gets an explicit boolean mask: sliding-window layers once the
+    sequence reaches the window (masking_utils._ignore_causal_mask_sdpa); the others run with
+    ``is_causal``. A masked call repeats K/V to every head (no ``enable_gqa`` with a mask) and
+    CUDA's memory-efficient kernel keeps the mask for backward."""
+    window = model.config.get("sliding_window")
+    if not window or setup.seq < int(window) or attention_impl(model, setup) == "eager":
+        return 0
+    return sliding_layers(model)
+
+
 def compute_bytes(setup: Setup) -> int:
     return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
 
@@ -118,12 +146,14 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
             total += c * a * s
         return total
     # flash/SDPA: q and k after RoPE (new tensors), v, the output (which o_proj reads), logsumexp;
-    # with a fused projection v (and, without RoPE, q and k) are views of its whole output
+    # with a fused projection v (and, without RoPE, q and k) are views of its whole output; in a
+    # masked layer K and V are repeated to all heads (averaged over the layers here)
     total = c * q + 4 * a
     if t.fused_qkv:
         total += c * (q + 2 * kv) + (c * (q + kv) if t.rope else 0)
     else:
         total += 2 * c * kv + c * q
+        total += masked_layers(model, setup) / model.num_layers * 2 * c * (q - kv)
     if t.qk_norm_rows:
         total += norm_bytes(model, setup, full, width=q + kv, rows=t.qk_norm_rows)
     return total
@@ -244,6 +274,8 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         total += 2 * (t.rope_bytes or c) * rope_dim(model)  # cos and sin, shared by every layer
     if t.embedding_dropout and full:
         total += h
+    if masked_layers(model, setup):
+        total += setup.seq  # the (b, 1, s, s) bool sliding-window mask, shared by the layers
     total += norm_bytes(model, setup, trainable_weight=full)
     if full:
         total += c * h  # lm_head input
