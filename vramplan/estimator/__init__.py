@@ -151,27 +151,39 @@ def estimate(
         bucket = min(int(5e8), trainable_params(model, setup)) * (4 if setup.adapters else _weight_dtype_bytes(setup))
         zero_buffers = bucket if setup.zero_stage in (1, 2) else 2 * _largest_layer_grad(model, setup)
 
-    # activations
+    # activations: per layer (token-sized, plus weight-sized for peft's merged MoE experts)
+    layer_tok = act.layer_bytes_per_token(model, setup) * N
+    merged_total = act.moe_lora_weight_bytes(model, setup)
+    merged_layer = merged_total / model.moe.num_moe_layers if merged_total else 0
     if setup.checkpointing:
-        per_layer_kept = act.checkpoint_bytes_per_token(model, setup)
+        per_layer_kept = act.checkpoint_bytes_per_token(model, setup) * N
+        A_layers = int(L * per_layer_kept)
+        A_recompute = int(layer_tok + merged_layer)  # one layer re-run inside backward
     else:
-        per_layer_kept = act.layer_bytes_per_token(model, setup)
-    A_layers = int(L * per_layer_kept * N) + (0 if setup.checkpointing else int(act.moe_lora_weight_bytes(model, setup)))
+        per_layer_kept = layer_tok
+        A_layers = int(L * layer_tok + merged_total)
+        A_recompute = 0
     A_glob = int(act.global_bytes_per_token(model, setup) * N)
-    A_recompute = 0
-    if setup.checkpointing:
-        A_recompute = int(act.layer_bytes_per_token(model, setup) * N)
-        if model.moe is not None:
-            A_recompute += int(act.moe_lora_weight_bytes(model, setup) / model.moe.num_moe_layers)
     logits_fwd = (c + 4) * N * V  # c-byte logits and their fp32 copy (log-probs are saved)
     logits_bwd = 8 * N * V  # grad of the log-probs and of the fp32 logits (log_softmax backward)
     i_max = max(model.intermediate_size, (model.moe.expert_intermediate_size * model.moe.top_k) if model.moe else 0)
-    T_layer = c * N * (2 * i_max + 2 * h)  # gradient temporaries inside one layer's backward
+    # gradient temporaries inside one layer's backward. With merged MoE experts the down stack's
+    # gradient appears while the layer's merged copies are still saved; by the time the larger
+    # gate_up gradient appears the down copy is freed, so the net rise is one down-sized stack.
+    T_layer = c * N * (2 * i_max + 2 * h)
+    if merged_total:
+        T_layer += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
 
     accum_grads = G if setup.grad_accum > 1 else 0
     base = W + A_w + S + cast_cache + zero_buffers
 
-    forward = base + accum_grads + A_layers + A_glob + logits_fwd
+    at_loss = base + accum_grads + A_layers + A_glob + logits_fwd
+    # with checkpointing nothing inside a layer is saved, but a layer's forward still builds its
+    # merged expert stack (and routes k copies of the hidden states) while it runs
+    in_layer = 0
+    if setup.checkpointing and merged_total:
+        in_layer = base + accum_grads + A_layers + merged_layer + c * N * h * (model.moe.top_k + 2)
+    forward = max(at_loss, in_layer)
     start = base + accum_grads + A_layers + A_glob + logits_bwd
     if setup.method == "full":
         G_head = _head_params(model) * _weight_dtype_bytes(setup)
@@ -179,12 +191,15 @@ def estimate(
             G_head //= n_gpus
         G_layer = (G - G_head) / max(L, 1)
         first = base + G_head + A_layers + A_recompute + T_layer + c * N * h
-        last = base + G - G_layer + A_recompute + per_layer_kept * N + T_layer + c * N * h
-        tied_spike = 2 * model.vocab_size * h if model.tie_word_embeddings else 0
+        last = base + G - G_layer + A_recompute + per_layer_kept + T_layer + c * N * h
+        # tied embeddings: autograd's InputBuffer sums the head's and the embedding's gradient
+        # out of place, so both and their sum coexist before the parameter's .grad is set
+        tied_spike = 2 * model.vocab_size * h * _weight_dtype_bytes(setup) if model.tie_word_embeddings else 0
         end = base + G + tied_spike + c * N * h
         backward = max(start, first, last, end)
     else:
-        first = base + accum_grads + A_layers + A_glob - 4 * N * V + A_recompute + T_layer + c * N * V
+        # the last layer's backward: log-probs and logits gradients are gone by then
+        first = base + accum_grads + A_layers + A_recompute + T_layer + c * N * h
         backward = max(start, first, base + G)
     optimizer = W + A_w + G + S + T_opt + cast_cache + zero_buffers
     phase_peaks = {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}
