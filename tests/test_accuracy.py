@@ -7,7 +7,7 @@ by benchmarks/accuracy.py.
 
 import pytest
 
-from vramplan.accuracy import GAP_FAMILIES, VERIFIED_FAMILIES, compare, known_gap
+from vramplan.accuracy import FAMILY_MODELS, compare
 from vramplan.specs import Setup
 
 pytest.importorskip("torch")
@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 SHAPES = [(1, 512), (4, 4096)]
 CASES = [
     (family, model, method, ckpt, b, s)
-    for family, model in {**VERIFIED_FAMILIES, **GAP_FAMILIES}.items()
+    for family, model in FAMILY_MODELS.items()
     for method in ("full", "lora")
     for ckpt in (False, True)
     for b, s in SHAPES
@@ -26,10 +26,7 @@ CASES = [
 @pytest.mark.parametrize("family, model, method, ckpt, b, s", CASES, ids=[f"{c[0]}-{c[2]}-ck{int(c[3])}-{c[4]}x{c[5]}" for c in CASES])
 def test_estimate_within_5_percent_of_trace(family, model, method, ckpt, b, s):
     setup = Setup(method=method, checkpointing=ckpt, batch=b, seq=s)
-    gap = known_gap(family, setup)
     row = compare(model, setup, layers=4)
-    if gap and abs(row.error) > 0.05:
-        pytest.xfail(gap)
     assert abs(row.error) <= 0.05, f"{model} {setup}: estimate {row.estimated_bytes:,} vs trace {row.traced_bytes:,} ({row.error:+.2%})"
 
 

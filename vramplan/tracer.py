@@ -24,6 +24,17 @@ from .specs import PHASES, Breakdown, Component, ModelSpec, Setup, SpecError, tr
 #: Categories a live storage falls in at a peak.
 CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
 
+#: Moments of a step whose peaks are each linear in the number of decoder layers: the forward
+#: through the layers and through the head and loss; the backward before the top layer's first
+#: gradient, in the top (first), inner (middle) and bottom (last) layers, and after them (the
+#: embedding); the optimizer step. A phase's peak is the max of its moments. Extrapolating each
+#: moment separately stays exact when the moment of a phase's peak moves as depth grows.
+MOMENTS = (
+    "forward:layers", "forward:head",
+    "backward:pre", "backward:first", "backward:middle", "backward:last", "backward:post",
+    "optimizer",
+)
+
 
 class NotTraceable(SpecError):
     """The setup uses something fake tensors cannot run (bitsandbytes kernels, DeepSpeed, ...)."""
@@ -50,6 +61,11 @@ class TraceNumbers:
     def peak(self) -> int:
         return max(p.bytes for p in self.phase_peaks.values())
 
+    def phase(self, phase: str) -> _PhasePeak:
+        """The peak of ``phase`` (forward, backward, optimizer): the largest of its moments."""
+        moments = [p for m, p in self.phase_peaks.items() if m.split(":")[0] == phase]
+        return max(moments, key=lambda p: p.bytes)
+
 
 def _require_torch():
     try:
@@ -72,8 +88,9 @@ class _LiveTracker:
         self.current = 0
         self.saved: set[int] = set()
         self.phase: str | None = None
-        self.peaks: dict[str, _PhasePeak] = {p: _PhasePeak() for p in PHASES}
+        self.peaks: dict[str, _PhasePeak] = {m: _PhasePeak() for m in MOMENTS}
         self.classify = None  # callable(live ids) -> categories, set by the driver
+        self.on_backward_start = lambda: None
 
     def track(self, tensor) -> int | None:
         import torch
@@ -200,6 +217,37 @@ class _LazyFlash:
 _FlashLike = _LazyFlash()
 
 
+def _label_backward_moments(model, tracker: _LiveTracker, num_layers: int) -> None:
+    """Move the tracker's moment along the backward as gradients land in each decoder layer."""
+    import re
+
+    layer_of = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+    seen_layer = [False]
+
+    def hook_for(idx):
+        def hook(_param):
+            if not tracker.phase or not tracker.phase.startswith("backward"):
+                return
+            if idx is None:
+                if seen_layer[0]:
+                    tracker.phase = "backward:post"
+                return
+            seen_layer[0] = True
+            tracker.phase = "backward:" + ("first" if idx == num_layers - 1 else "last" if idx == 0 else "middle")
+
+        return hook
+
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            m = layer_of.search("." + name)
+            p.register_post_accumulate_grad_hook(hook_for(int(m.group(1)) if m else None))
+
+    def reset(_grad_fn=None):
+        seen_layer[0] = False
+
+    tracker.on_backward_start = reset
+
+
 @contextlib.contextmanager
 def _real_code_paths():
     """Make the traced step take the code path a real CUDA step takes.
@@ -294,6 +342,13 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
     model.train()
 
     tracker = _LiveTracker()
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _to_head(_mod, _args):
+        if tracker.phase == "forward:layers":
+            tracker.phase = "forward:head"
+
+    hf_model.get_output_embeddings().register_forward_pre_hook(_to_head)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     saved_by_module: dict[str, int] = {}
@@ -328,6 +383,7 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
         for t in itertools.chain(params, model.buffers()):
             tracker.track(t)
         opt = _make_optimizer(setup, trainable)
+        _label_backward_moments(model, tracker, hf_cfg.num_hidden_layers)
 
         def classify(live: dict[int, int]) -> dict[str, int]:
             param_ids = {tracker.sid_of(p) for p in params}
@@ -374,12 +430,13 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                 saved_by_module.clear()
                 saved_detail.clear()
             for micro in range(setup.grad_accum):
-                tracker.phase = "forward"
+                tracker.phase = "forward:layers"
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
                     loss = model(input_ids=input_ids, labels=input_ids).loss
                     if setup.grad_accum > 1:
                         loss = loss / setup.grad_accum
-                tracker.phase = "backward"
+                tracker.phase = "backward:pre"
+                tracker.on_backward_start()
                 loss.backward()
                 del loss
                 tracker.observe()
@@ -407,9 +464,14 @@ def _combine(base: TraceNumbers, deltas: list[tuple[TraceNumbers, TraceNumbers, 
         return round(get(base) + sum(n * (get(hi) - get(lo)) for lo, hi, n in deltas))
 
     peaks = {}
-    for ph in PHASES:
-        cats = {c: value(lambda t, ph=ph, c=c: t.phase_peaks[ph].categories.get(c, 0)) for c in CATEGORIES}
-        peaks[ph] = _PhasePeak(bytes=value(lambda t, ph=ph: t.phase_peaks[ph].bytes), categories=cats)
+    for m in MOMENTS:
+        if m == "backward:middle":
+            # inner layers exist only from depth 3; a line through the inner layers' peaks never
+            # rises above the top or the bottom layer's, which are extrapolated themselves
+            peaks[m] = _PhasePeak()
+            continue
+        cats = {c: value(lambda t, m=m, c=c: t.phase_peaks[m].categories.get(c, 0)) for c in CATEGORIES}
+        peaks[m] = _PhasePeak(bytes=value(lambda t, m=m: t.phase_peaks[m].bytes), categories=cats)
     return TraceNumbers(
         num_layers=num_layers,
         phase_peaks=peaks,
@@ -445,6 +507,9 @@ def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tu
     against a full-depth trace. Families mixing layer types (Gemma2/3 sliding and full attention)
     are extrapolated per type: one extra trace adds a layer of each type to the base.
     """
+    from .checks import check
+
+    check(model, setup)  # a setup peft or transformers would refuse fails here, in one line
     L = _num_layers(model.config)
     if L <= full_depth_max:
         return breakdown_from_trace(model, setup, trace_numbers(model.config, setup), "traced at full depth")
@@ -467,9 +532,9 @@ def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tu
 
 
 def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, note: str = "") -> Breakdown:
-    phase_peaks = {ph: nums.phase_peaks[ph].bytes for ph in PHASES}
+    phase_peaks = {ph: nums.phase(ph).bytes for ph in PHASES}
     phase = max(PHASES, key=lambda ph: phase_peaks[ph])
-    cats = nums.phase_peaks[phase].categories
+    cats = nums.phase(phase).categories
     components = tuple(Component(name=c, bytes=int(cats.get(c, 0)), phases=(phase,)) for c in CATEGORIES)
     peak = phase_peaks[phase]
     return Breakdown(
