@@ -7,6 +7,7 @@ never a traceback; warnings go to stderr and leave the exit code at 0.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -340,3 +341,22 @@ def test_random_input_never_tracebacks(model, batch, seq, rank, method, gpu_memo
     elif r.exit_code == 2:
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith(("error: ", "Error: ")), r.stderr
+
+
+def test_hub_id_resolves_from_the_huggingface_cache(tmp_path):
+    """A Hub id whose config.json is in huggingface_hub's cache resolves without the network,
+    through the real library (the layout it writes: refs/main -> snapshots/<commit>/)."""
+    from vramplan.profiles import load_model
+
+    repo = tmp_path / "models--some-org--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(load_model("smollm2-135m").config))
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "vramplan", "estimate", "some-org/tiny-llama", "--json"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["params_total"] == load_model("smollm2-135m").params_total

@@ -84,23 +84,49 @@ def load_model(name: str) -> ModelSpec:
     raise SpecError(f"unknown model {key!r}{_close(key, _aliases())}")
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One short TCP connect to the Hub endpoint, so an offline machine fails in a second
+    instead of waiting out huggingface_hub's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _hub_config(repo_id: str) -> dict:
     """config.json of a Hub repo through huggingface_hub's cache; never downloads weights."""
     try:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+        from huggingface_hub.utils import logging as hf_logging
     except ImportError:
         raise SpecError(
             f"{repo_id!r} is not a shipped model; resolving Hub ids needs huggingface_hub: "
             "pip install 'vramplan[hub]'" + _close(repo_id, _aliases())
         ) from None
+    offline = (
+        f"{repo_id!r} is not shipped and the Hub cannot be reached (offline, nothing cached); "
+        "pass a local config.json instead" + _close(repo_id, _aliases())
+    )
+    hf_logging.set_verbosity_error()  # its retry warnings would break the one-line error rule
     try:
-        path = hf_hub_download(repo_id, "config.json")
+        try:
+            path = hf_hub_download(repo_id, "config.json", local_files_only=True)
+        except LocalEntryNotFoundError:
+            if not _hub_reachable():
+                raise SpecError(offline) from None
+            path = hf_hub_download(repo_id, "config.json")
+    except SpecError:
+        raise
     except LocalEntryNotFoundError:
-        raise SpecError(
-            f"{repo_id!r} is not shipped and the Hub cannot be reached (offline, nothing cached); "
-            "pass a local config.json instead" + _close(repo_id, _aliases())
-        ) from None
+        raise SpecError(offline) from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecError(f"cannot fetch config.json of {repo_id!r} from the Hub: {first}") from None

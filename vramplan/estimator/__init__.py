@@ -166,15 +166,7 @@ def estimate(
     A_glob = int(act.global_bytes_per_token(model, setup) * N)
     logits_fwd = (c + 4) * N * V  # c-byte logits and their fp32 copy (log-probs are saved)
     logits_bwd = 8 * N * V  # grad of the log-probs and of the fp32 logits (log_softmax backward)
-    # widest per-token intermediate of a layer's backward: the dense MLP's two gate/up gradients,
-    # or (MoE) the routed tokens' expert intermediate
-    i_max = 2 * model.intermediate_size
-    if model.moe is not None:
-        i_max = max(i_max if model.moe.num_moe_layers < L else 0, model.moe.expert_intermediate_size * model.moe.top_k)
-    # gradient temporaries inside one layer's backward. With merged MoE experts the down stack's
-    # gradient appears while the layer's merged copies are still saved; by the time the larger
-    # gate_up gradient appears the down copy is freed, so the net rise is one down-sized stack.
-    T_layer = c * N * (i_max + 2 * h)
+    T_layer = act.layer_backward_transient_per_token(model, setup) * N
     if merged_total:
         T_layer += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
 

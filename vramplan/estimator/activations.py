@@ -255,6 +255,23 @@ def mla_attention_bytes(model: ModelSpec, setup: Setup) -> float:
     return total
 
 
+def layer_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
+    """Gradient temporaries alive at the worst moment of one decoder layer's backward, beyond its
+    saved activations (measured with the tracer's per-moment peaks on micro-configs):
+    the MLP's gradients (c (3 i + h): the product's, the gate's and the up projection's, and the
+    hidden-state gradient; a LoRA down_proj's fp32 adapter path instead of the product's), or the
+    attention and norm backward (11 c h: dq, dk, dv, the output's gradient and the fp32 norm
+    gradients), whichever is larger. MoE layers use the routed tokens' expert width."""
+    h, c = model.hidden_size, compute_bytes(setup)
+    i = model.intermediate_size
+    if model.moe is not None:
+        routed = model.moe.expert_intermediate_size * model.moe.top_k
+        i = max(i if model.moe.num_moe_layers < model.num_layers else 0, routed)
+        return c * (i + 2 * h)  # grouped_mm backward over the routed tokens
+    mlp = c * (3 * i + h) if setup.method == "full" else 4.64 * i + c * h
+    return max(mlp, 11 * c * h)
+
+
 def checkpoint_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     """HF gradient checkpointing (non-reentrant) keeps each layer's input hidden states."""
     return compute_bytes(setup) * model.hidden_size

@@ -1,0 +1,82 @@
+"""Bar: the estimate holds on configs no other test has seen.
+
+Hypothesis draws new shapes for every family (heads, KV heads, head width, hidden, intermediate,
+vocabulary, experts) from its shipped config, builds a two-layer model, and compares the analytic
+tensor peak with the trace of the real transformers/peft code on a random setup.
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vramplan.accuracy import FAMILY_MODELS
+from vramplan.architecture import model_spec_from_config
+from vramplan.estimator import estimate
+from vramplan.profiles import load_model
+from vramplan.specs import Setup
+from vramplan.tracer import trace
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+# families whose RoPE tables (Phi-3 longrope factors) or MLA ranks pin the head geometry
+FIXED_HEADS = {"phi3", "deepseek_v2"}
+
+
+@st.composite
+def family_config(draw):
+    family = draw(st.sampled_from(sorted(FAMILY_MODELS)))
+    cfg = dict(load_model(FAMILY_MODELS[family]).config)
+    key = lambda *names: next((n for n in names if n in cfg), names[0])  # noqa: E731
+    if family not in FIXED_HEADS:
+        heads = draw(st.sampled_from([4, 8, 16]))
+        hd = draw(st.sampled_from([32, 64, 128]))
+        cfg[key("num_attention_heads", "n_head")] = heads
+        if "num_key_value_heads" in cfg and cfg["num_key_value_heads"] is not None:
+            cfg["num_key_value_heads"] = draw(st.sampled_from([k for k in (1, 2, 4, heads) if heads % k == 0]))
+        if cfg.get("head_dim"):
+            cfg["head_dim"] = hd
+            cfg[key("hidden_size", "n_embd")] = 64 * draw(st.integers(4, 32))
+        else:
+            cfg[key("hidden_size", "n_embd")] = heads * hd
+        if "rotary_dim" in cfg:
+            cfg["rotary_dim"] = min(int(cfg["rotary_dim"]), hd)
+    inter = 64 * draw(st.integers(2, 64))
+    if family == "gpt2":
+        cfg["n_inner"] = inter
+    elif "intermediate_size" in cfg:
+        cfg["intermediate_size"] = inter
+    for k in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if cfg.get(k):
+            cfg[k] = 64 * draw(st.integers(2, 32))
+    experts = key("num_local_experts", "num_experts", "n_routed_experts")
+    if cfg.get(experts):
+        cfg[experts] = draw(st.integers(4, 16))
+        cfg["num_experts_per_tok"] = draw(st.integers(1, 4))
+    cfg["vocab_size"] = draw(st.integers(1000, 70000))
+    cfg[key("num_hidden_layers", "n_layer")] = 2
+    cfg.pop("layer_types", None)
+    return family, cfg
+
+
+# VRAMPLAN_UNSEEN_EXAMPLES=500 for a longer hunt than CI's
+@settings(max_examples=int(os.environ.get("VRAMPLAN_UNSEEN_EXAMPLES", "30")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fam_cfg=family_config(),
+    method=st.sampled_from(["full", "lora"]),
+    checkpointing=st.booleans(),
+    batch=st.integers(1, 3),
+    seq=st.sampled_from([64, 200, 512, 1024]),
+    rank=st.sampled_from([4, 8, 32]),
+)
+def test_unseen_config_within_5_percent_of_trace(fam_cfg, method, checkpointing, batch, seq, rank):
+    family, cfg = fam_cfg
+    model = model_spec_from_config(cfg, name=f"unseen-{family}")
+    setup = Setup(method=method, checkpointing=checkpointing, batch=batch, seq=seq, lora_rank=rank)
+    traced = trace(model, setup)
+    estimated = estimate(model, setup)
+    assert traced.params_total - (traced.params_trainable if setup.adapters else 0) == model.params_total
+    err = estimated.tensor_peak_bytes / traced.tensor_peak_bytes - 1
+    assert abs(err) <= 0.05, f"{family} {setup}: estimate {estimated.tensor_peak_bytes:,} vs trace {traced.tensor_peak_bytes:,} ({err:+.2%})"
