@@ -43,19 +43,23 @@ def family_config(draw):
             cfg[key("hidden_size", "n_embd")] = heads * hd
         if "rotary_dim" in cfg:
             cfg["rotary_dim"] = min(int(cfg["rotary_dim"]), hd)
-    inter = 64 * draw(st.integers(2, 64))
+    # proportions of real models: MLP 2-6x the hidden size, vocabularies of 8k-160k
+    hidden = int(cfg.get("hidden_size") or cfg.get("n_embd"))
+    inter = 64 * draw(st.integers(max(2, hidden // 32), max(3, hidden * 6 // 64)))
     if family == "gpt2":
         cfg["n_inner"] = inter
     elif "intermediate_size" in cfg:
         cfg["intermediate_size"] = inter
     for k in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if cfg.get(k):
-            cfg[k] = 64 * draw(st.integers(2, 32))
+            cfg[k] = 64 * draw(st.integers(max(1, hidden // 128), max(2, hidden // 16)))
     experts = key("num_local_experts", "num_experts", "n_routed_experts")
     if cfg.get(experts):
         cfg[experts] = draw(st.integers(4, 16))
         cfg["num_experts_per_tok"] = draw(st.integers(1, 4))
-    cfg["vocab_size"] = draw(st.integers(1000, 70000))
+    cfg["vocab_size"] = draw(st.integers(8000, 160000))
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        cfg.pop(k, None)
     cfg[key("num_hidden_layers", "n_layer")] = 2
     cfg.pop("layer_types", None)
     return family, cfg

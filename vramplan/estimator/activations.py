@@ -255,21 +255,35 @@ def mla_attention_bytes(model: ModelSpec, setup: Setup) -> float:
     return total
 
 
+#: Bytes per token, in units of h, of the norm and attention gradients at the worst moment of a
+#: layer's backward (fp32 norm gradients dominate), per norm style and full/LoRA; read off the
+#: tracer's per-moment peaks on micro-configs where the MLP is too narrow to matter.
+NORM_BACKWARD_H = {
+    ("rms", "full"): 22, ("rms", "lora"): 22,
+    ("rms_fp32_mul", "full"): 26, ("rms_fp32_mul", "lora"): 22,
+    ("layernorm", "full"): 16, ("layernorm", "lora"): 7,
+    ("cohere", "full"): 30, ("cohere", "lora"): 7,
+}
+
+
 def layer_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
     """Gradient temporaries alive at the worst moment of one decoder layer's backward, beyond its
-    saved activations (measured with the tracer's per-moment peaks on micro-configs):
-    the MLP's gradients (c (3 i + h): the product's, the gate's and the up projection's, and the
-    hidden-state gradient; a LoRA down_proj's fp32 adapter path instead of the product's), or the
-    attention and norm backward (11 c h: dq, dk, dv, the output's gradient and the fp32 norm
-    gradients), whichever is larger. MoE layers use the routed tokens' expert width."""
+    saved activations: the MLP's gradients (c (3 i + h): the product's, the gate's and up's and
+    the hidden state's; a LoRA down_proj's fp32 adapter path in place of the product's; MoE: the
+    routed tokens' expert width), the norm and attention gradients (NORM_BACKWARD_H), or with
+    eager attention the score gradients (fp32 and c-byte, 9 a s), whichever is largest."""
     h, c = model.hidden_size, compute_bytes(setup)
     i = model.intermediate_size
+    mode = "full" if setup.method == "full" else "lora"
     if model.moe is not None:
         routed = model.moe.expert_intermediate_size * model.moe.top_k
         i = max(i if model.moe.num_moe_layers < model.num_layers else 0, routed)
-        return c * (i + 2 * h)  # grouped_mm backward over the routed tokens
-    mlp = c * (3 * i + h) if setup.method == "full" else 4.64 * i + c * h
-    return max(mlp, 11 * c * h)
+        mlp = c * (i + 2 * h)  # grouped_mm backward over the routed tokens
+    else:
+        mlp = c * (3 * i + h) if mode == "full" else 4.64 * i + c * h
+    norm = NORM_BACKWARD_H[(traits(model).norm, mode)] * h
+    eager = 9 * model.num_heads * setup.seq if attention_impl(model, setup) == "eager" else 0
+    return max(mlp, norm, eager)
 
 
 def checkpoint_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
