@@ -59,7 +59,7 @@ def family_config(draw):
         cfg["num_experts_per_tok"] = draw(st.integers(1, 4))
     cfg["vocab_size"] = draw(st.integers(8000, 160000))
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        cfg.pop(k, None)
+        cfg[k] = None  # keep special token ids inside the new vocabulary
     cfg[key("num_hidden_layers", "n_layer")] = 2
     cfg.pop("layer_types", None)
     return family, cfg

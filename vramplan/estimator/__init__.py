@@ -158,7 +158,8 @@ def estimate(
     if setup.checkpointing:
         per_layer_kept = act.checkpoint_bytes_per_token(model, setup) * N
         A_layers = int(L * per_layer_kept)
-        A_recompute = int(layer_tok + merged_layer)  # one layer re-run inside backward
+        # one layer re-run inside backward: the largest kind where dense and MoE layers mix
+        A_recompute = int(act.layer_bytes_per_token(model, setup, "max") * N + merged_layer)
     else:
         per_layer_kept = layer_tok
         A_layers = int(L * layer_tok + merged_total)
@@ -166,9 +167,15 @@ def estimate(
     A_glob = int(act.global_bytes_per_token(model, setup) * N)
     logits_fwd = (c + 4) * N * V  # c-byte logits and their fp32 copy (log-probs are saved)
     logits_bwd = 8 * N * V  # grad of the log-probs and of the fp32 logits (log_softmax backward)
-    T_layer = act.layer_backward_transient_per_token(model, setup) * N
+    # one layer's backward beyond the saved activations counted elsewhere: the MLP's gradients
+    # while the whole layer is saved, or later the attention/norm gradients once the MLP side of
+    # the layer (and, recomputed, its MLP activations) is freed
+    attn_side, mlp_side = act.layer_split_per_token(model, setup, "max" if setup.checkpointing else "mean")
+    T_mlp = act.mlp_backward_transient_per_token(model, setup) * N
+    T_attn = act.attention_backward_transient_per_token(model, setup) * N
+    T_layer = max(T_mlp, T_attn - mlp_side * N)
     if merged_total:
-        T_layer += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
+        T_layer = max(T_mlp + c * model.moe.num_experts * model.moe.expert_intermediate_size * h, T_attn - mlp_side * N - merged_layer)
 
     accum_grads = G if setup.grad_accum > 1 else 0
     base = W + A_w + S + cast_cache + zero_buffers

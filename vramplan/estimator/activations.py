@@ -172,26 +172,46 @@ def mlp_bytes(model: ModelSpec, setup: Setup) -> float:
     return c * i * act + (c * i if full else 0)
 
 
-def layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
-    """Saved bytes per token of one decoder layer without checkpointing."""
+def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...]) -> float:
+    """peft casts each adapter's input to the adapter dtype (fp32); lora_B keeps lora_A's output.
+    Per token, for one layer that has the Linears of these roles."""
+    return sum(
+        4 * l.in_features + 4 * setup.lora_rank for l in adapted_linears(model, setup) if l.role in roles
+    )
+
+
+def layer_bytes_per_token(model: ModelSpec, setup: Setup, which: str = "mean") -> float:
+    """Saved bytes per token of one decoder layer without checkpointing: the mean over the
+    layers (``"mean"``), or the largest layer (``"max"``, what a recomputed layer holds) when
+    dense and MoE layers mix."""
+    return sum(layer_split_per_token(model, setup, which))
+
+
+def layer_split_per_token(model: ModelSpec, setup: Setup, which: str = "mean") -> tuple[float, float]:
+    """A layer's saved bytes per token as (attention side, MLP side): backward frees the MLP
+    side before it reaches the attention and the norms."""
     h, c = model.hidden_size, compute_bytes(setup)
     t = traits(model)
     full = setup.method == "full"
-    total = t.norms_per_layer * norm_bytes(model, setup, trainable_weight=full)
+    common = t.norms_per_layer * norm_bytes(model, setup, trainable_weight=full)
     if full:  # inputs of trainable projections: once per distinct norm output
-        total += c * h * (1 if t.shared_norm else 2)
-    total += attention_bytes(model, setup)
-    total += mlp_bytes(model, setup) if model.moe is None else moe_bytes_per_token(model, setup)
-    total += t.dropout_masks_per_layer * h
-    # LoRA: peft casts each adapter's input to the adapter dtype (fp32), lora_B keeps lora_A's out
-    for l in adapted_linears(model, setup):
-        if l.role != "head":
-            total += l.count / model.num_layers * (4 * l.in_features + 4 * setup.lora_rank)
-    return total
+        common += c * h * (1 if t.shared_norm else 2)
+    common += attention_bytes(model, setup)
+    common += t.dropout_masks_per_layer * h
+    common += _adapter_bytes_per_layer(model, setup, ("attn", "other"))
+    dense = mlp_bytes(model, setup) + _adapter_bytes_per_layer(model, setup, ("mlp",))
+    if model.moe is None:
+        return common, dense
+    moe = moe_layer_bytes_per_token(model, setup) + _adapter_bytes_per_layer(model, setup, ("shared_expert", "router"))
+    nm = model.moe.num_moe_layers
+    nd = model.num_layers - nm
+    if which == "max":
+        return common, max(moe if nm else 0.0, dense if nd else 0.0)
+    return common, (moe * nm + dense * nd) / model.num_layers
 
 
-def moe_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
-    """MLP of a MoE model per token, averaged over its layers (dense layers included).
+def moe_layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
+    """The MLP of one MoE layer per token.
 
     transformers 5 routes with a top-k router (fp32 softmax over E, int64 indices, fp32 top-k
     weights when they are renormalised) and runs the experts through ``grouped_mm`` on the
@@ -218,10 +238,7 @@ def moe_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         shared = 3 * c * si + (c * si if full else 0)
         if moe.gated_shared_expert:
             shared += c + c * h  # sigmoid gate output and the shared expert's output it scales
-    per_moe = router + routed + shared
-    dense_layers = model.num_layers - moe.num_moe_layers
-    dense = mlp_bytes(model, setup)
-    return (per_moe * moe.num_moe_layers + dense * dense_layers) / model.num_layers
+    return router + routed + shared
 
 
 def moe_lora_weight_bytes(model: ModelSpec, setup: Setup) -> float:
@@ -266,24 +283,28 @@ NORM_BACKWARD_H = {
 }
 
 
-def layer_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
-    """Gradient temporaries alive at the worst moment of one decoder layer's backward, beyond its
-    saved activations: the MLP's gradients (c (3 i + h): the product's, the gate's and up's and
-    the hidden state's; a LoRA down_proj's fp32 adapter path in place of the product's; MoE: the
-    routed tokens' expert width), the norm and attention gradients (NORM_BACKWARD_H), or with
-    eager attention the score gradients (fp32 and c-byte, 9 a s), whichever is largest."""
+def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
+    """Gradient temporaries of an MLP's backward, while the whole layer's activations are still
+    saved: c (3 i + h) (the product's, the gate's and up's gradients and the hidden state's; a
+    LoRA down_proj's fp32 adapter path in place of the product's); MoE: the routed tokens'
+    expert width. Read off the tracer's per-moment peaks."""
     h, c = model.hidden_size, compute_bytes(setup)
     i = model.intermediate_size
-    mode = "full" if setup.method == "full" else "lora"
     if model.moe is not None:
         routed = model.moe.expert_intermediate_size * model.moe.top_k
         i = max(i if model.moe.num_moe_layers < model.num_layers else 0, routed)
-        mlp = c * (i + 2 * h)  # grouped_mm backward over the routed tokens
-    else:
-        mlp = c * (3 * i + h) if mode == "full" else 4.64 * i + c * h
-    norm = NORM_BACKWARD_H[(traits(model).norm, mode)] * h
+        return c * (i + 2 * h)  # grouped_mm backward over the routed tokens
+    return c * (3 * i + h) if setup.method == "full" else 4.64 * i + c * h
+
+
+def attention_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
+    """Gradient temporaries of the attention and norm backward, once the MLP side is freed:
+    the fp32 norm gradients dominate (NORM_BACKWARD_H); eager attention's score gradients
+    (fp32 and c-byte, 9 a s) where larger."""
+    mode = "full" if setup.method == "full" else "lora"
+    norm = NORM_BACKWARD_H[(traits(model).norm, mode)] * model.hidden_size
     eager = 9 * model.num_heads * setup.seq if attention_impl(model, setup) == "eager" else 0
-    return max(mlp, norm, eager)
+    return max(norm, eager)
 
 
 def checkpoint_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
