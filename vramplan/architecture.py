@@ -179,7 +179,7 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
             lay.linear("mlp.down_proj", i, h, False, "mlp", nd)
         moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
                       shared_expert_intermediate_size=shared_i, gated_shared_expert=bool(shared_i),
-                      norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "mixtral")))
+                      norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "mixtral")), moe_layers=tuple(moe_layers))
     elif mt == "phi3":
         lay.linear("mlp.gate_up_proj", h, 2 * _req(cfg, "intermediate_size"), False, "mlp")
         lay.linear("mlp.down_proj", i, h, False, "mlp")
@@ -246,7 +246,8 @@ def _deepseek_v2(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.add("embed_tokens", V * h)
     tie = _head(cfg, lay, V, h, False)
     moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
-                  shared_expert_intermediate_size=shared, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+                  shared_expert_intermediate_size=shared, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                  moe_layers=tuple(range(nd, L)))
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=kvh,
         head_dim=nope + rope, intermediate_size=i, max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),

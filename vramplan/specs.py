@@ -75,6 +75,7 @@ class MoeSpec:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     gated_shared_expert: bool = False  # qwen2_moe: sigmoid gate on the shared expert
     norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()  # indices of the MoE layers (the others are dense)
 
 
 @dataclass(frozen=True)

@@ -155,27 +155,31 @@ def estimate(
     layer_tok = act.layer_bytes_per_token(model, setup) * N
     merged_total = act.moe_lora_weight_bytes(model, setup)
     merged_layer = merged_total / model.moe.num_moe_layers if merged_total else 0
-    if setup.checkpointing:
-        per_layer_kept = act.checkpoint_bytes_per_token(model, setup) * N
-        A_layers = int(L * per_layer_kept)
-        # one layer re-run inside backward: the largest kind where dense and MoE layers mix
-        A_recompute = int(act.layer_bytes_per_token(model, setup, "max") * N + merged_layer)
-    else:
-        per_layer_kept = layer_tok
-        A_layers = int(L * layer_tok + merged_total)
-        A_recompute = 0
+    kept_tok = act.checkpoint_bytes_per_token(model, setup) * N if setup.checkpointing else layer_tok
+    A_layers = int(L * kept_tok + (0 if setup.checkpointing else merged_total))
     A_glob = int(act.global_bytes_per_token(model, setup) * N)
     logits_fwd = (c + 4) * N * V  # c-byte logits and their fp32 copy (log-probs are saved)
     logits_bwd = 8 * N * V  # grad of the log-probs and of the fp32 logits (log_softmax backward)
-    # one layer's backward beyond the saved activations counted elsewhere: the MLP's gradients
-    # while the whole layer is saved, or later the attention/norm gradients once the MLP side of
-    # the layer (and, recomputed, its MLP activations) is freed
-    attn_side, mlp_side = act.layer_split_per_token(model, setup, "max" if setup.checkpointing else "mean")
-    T_mlp = act.mlp_backward_transient_per_token(model, setup) * N
     T_attn = act.attention_backward_transient_per_token(model, setup) * N
-    T_layer = max(T_mlp, T_attn - mlp_side * N)
-    if merged_total:
-        T_layer = max(T_mlp + c * model.moe.num_experts * model.moe.expert_intermediate_size * h, T_attn - mlp_side * N - merged_layer)
+
+    def layer_backward(idx: int) -> tuple[float, float]:
+        """(bytes a layer's backward adds over the kept activations, that layer's kept bytes).
+
+        Recomputed with checkpointing, the layer's activations come back; then its MLP's
+        gradients appear while the whole layer is saved, or later the attention/norm gradients
+        once the MLP side is freed. A merged MoE layer's down stack gets a full gradient."""
+        attn_side, mlp_side = act.layer_split_per_token(model, setup, idx)
+        merged = merged_layer if act.is_moe_layer(model, idx) else 0
+        saved = (attn_side + mlp_side) * N + merged
+        t_mlp = act.mlp_backward_transient_per_token(model, setup, idx) * N
+        if merged:
+            t_mlp += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
+        transient = max(t_mlp, T_attn - mlp_side * N - merged)
+        kept = kept_tok if setup.checkpointing else saved
+        return (saved if setup.checkpointing else 0) + transient + c * N * h, kept
+
+    top_extra, _ = layer_backward(L - 1)
+    bottom_extra, bottom_kept = layer_backward(0)
 
     accum_grads = G if setup.grad_accum > 1 else 0
     base = W + A_w + S + cast_cache + zero_buffers
@@ -193,17 +197,19 @@ def estimate(
         if setup.zero_stage >= 2:
             G_head //= n_gpus
         G_layer = (G - G_head) / max(L, 1)
-        first = base + G_head + A_layers + A_recompute + T_layer + c * N * h
-        last = base + G - G_layer + A_recompute + per_layer_kept + T_layer + c * N * h
+        first = base + G_head + A_layers + top_extra
+        last = base + G - G_layer + bottom_kept + bottom_extra
         # tied embeddings: autograd's InputBuffer sums the head's and the embedding's gradient
         # out of place, so both and their sum coexist before the parameter's .grad is set
         tied_spike = 2 * model.vocab_size * h * _weight_dtype_bytes(setup) if model.tie_word_embeddings else 0
         end = base + G + tied_spike + c * N * h
         backward = max(start, first, last, end)
     else:
-        # the last layer's backward: log-probs and logits gradients are gone by then
-        first = base + accum_grads + A_layers + A_recompute + T_layer + c * N * h
-        backward = max(start, first, base + G)
+        # the top layer's backward: log-probs and logits gradients are gone by then
+        first = base + accum_grads + A_layers + top_extra
+        last = base + G + bottom_kept + bottom_extra
+        backward = max(start, first, last, base + G)
+    A_recompute = int(max(top_extra, bottom_extra)) if setup.checkpointing else 0
     optimizer = W + A_w + G + S + T_opt + cast_cache + zero_buffers
     phase_peaks = {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}
     phase = max(PHASES, key=lambda p: phase_peaks[p])
@@ -227,7 +233,7 @@ def estimate(
         Component("optimizer_step", T_opt, ("optimizer",), note="foreach step transient") if T_opt else None,
         Component("activations", A_layers if not setup.checkpointing else 0, fb, note="saved for backward"),
         Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb, note="layer inputs kept by checkpointing") if setup.checkpointing else None,
-        Component("recompute", A_recompute, ("backward",), note="one layer recomputed") if A_recompute else None,
+        Component("recompute", A_recompute, ("backward",), note="one layer recomputed, with its gradient temporaries") if A_recompute else None,
         Component("model_io_activations", A_glob, fb, note="embeddings, final norm, fp32 log-probs"),
         Component("logits_loss", max(logits_fwd, logits_bwd), fb, note="logits, fp32 upcast and its gradient"),
         Component("deepspeed_buffers", zero_buffers, PHASES) if zero_buffers else None,

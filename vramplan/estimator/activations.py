@@ -180,16 +180,20 @@ def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, .
     )
 
 
-def layer_bytes_per_token(model: ModelSpec, setup: Setup, which: str = "mean") -> float:
+def layer_bytes_per_token(model: ModelSpec, setup: Setup, which: str | int = "mean") -> float:
     """Saved bytes per token of one decoder layer without checkpointing: the mean over the
-    layers (``"mean"``), or the largest layer (``"max"``, what a recomputed layer holds) when
-    dense and MoE layers mix."""
+    layers, or layer ``which`` (dense and MoE layers differ)."""
     return sum(layer_split_per_token(model, setup, which))
 
 
-def layer_split_per_token(model: ModelSpec, setup: Setup, which: str = "mean") -> tuple[float, float]:
+def is_moe_layer(model: ModelSpec, idx: int) -> bool:
+    return model.moe is not None and idx in model.moe.moe_layers
+
+
+def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "mean") -> tuple[float, float]:
     """A layer's saved bytes per token as (attention side, MLP side): backward frees the MLP
-    side before it reaches the attention and the norms."""
+    side before it reaches the attention and the norms. ``which``: "mean" over the layers, or a
+    layer index (dense and MoE layers differ)."""
     h, c = model.hidden_size, compute_bytes(setup)
     t = traits(model)
     full = setup.method == "full"
@@ -205,8 +209,8 @@ def layer_split_per_token(model: ModelSpec, setup: Setup, which: str = "mean") -
     moe = moe_layer_bytes_per_token(model, setup) + _adapter_bytes_per_layer(model, setup, ("shared_expert", "router"))
     nm = model.moe.num_moe_layers
     nd = model.num_layers - nm
-    if which == "max":
-        return common, max(moe if nm else 0.0, dense if nd else 0.0)
+    if isinstance(which, int):
+        return common, moe if is_moe_layer(model, which) else dense
     return common, (moe * nm + dense * nd) / model.num_layers
 
 
@@ -283,17 +287,16 @@ NORM_BACKWARD_H = {
 }
 
 
-def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
+def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup, idx: int) -> float:
     """Gradient temporaries of an MLP's backward, while the whole layer's activations are still
     saved: c (3 i + h) (the product's, the gate's and up's gradients and the hidden state's; a
     LoRA down_proj's fp32 adapter path in place of the product's); MoE: the routed tokens'
     expert width. Read off the tracer's per-moment peaks."""
     h, c = model.hidden_size, compute_bytes(setup)
-    i = model.intermediate_size
-    if model.moe is not None:
+    if is_moe_layer(model, idx):
         routed = model.moe.expert_intermediate_size * model.moe.top_k
-        i = max(i if model.moe.num_moe_layers < model.num_layers else 0, routed)
-        return c * (i + 2 * h)  # grouped_mm backward over the routed tokens
+        return c * (routed + 2 * h)  # grouped_mm backward over the routed tokens
+    i = model.intermediate_size
     return c * (3 * i + h) if setup.method == "full" else 4.64 * i + c * h
 
 
