@@ -330,15 +330,17 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
 @main.command()
 @click.argument("model")
 @setup_options
+@gpu_options
 @click.option("--json", "as_json", is_flag=True, help="Print the Breakdown as one JSON object.")
 @_user_errors
-def trace(model: str, setup: Setup, as_json: bool) -> None:
+def trace(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | None, as_json: bool) -> None:
     """Peak of live tensors when the real transformers/peft step runs on fake tensors (needs torch)."""
-    spec = _load(model, setup)
+    gpu = _gpu_from(gpu_name, gpu_memory)
+    spec = _load(model, setup, gpu)
     _quiet_libraries()
     from .tracer import trace as run_trace  # imports torch: only here
 
-    bd = run_trace(spec, setup)
+    bd = run_trace(spec, setup, gpu=gpu)
     _print_json(bd.to_json()) if as_json else print_breakdown(bd)
 
 

@@ -19,7 +19,7 @@ import itertools
 import weakref
 from dataclasses import dataclass, field
 
-from .specs import PHASES, Breakdown, Component, ModelSpec, Setup, SpecError, truncate_config
+from .specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup, SpecError, truncate_config
 
 #: Categories a live storage falls in at a peak.
 CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
@@ -498,7 +498,9 @@ def _layer_types(config: dict) -> list[str] | None:
     return list(types) if types else None
 
 
-def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tuple[int, int] = (2, 3)) -> Breakdown:
+def trace(
+    model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, *, full_depth_max: int = 4, depths: tuple[int, int] = (2, 3)
+) -> Breakdown:
     """Traced Breakdown of ``setup`` on ``model``.
 
     Models with more than ``full_depth_max`` layers are traced at two depths and extrapolated
@@ -512,7 +514,7 @@ def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tu
     check(model, setup)  # a setup peft or transformers would refuse fails here, in one line
     L = _num_layers(model.config)
     if L <= full_depth_max:
-        return breakdown_from_trace(model, setup, trace_numbers(model.config, setup), "traced at full depth")
+        return breakdown_from_trace(model, setup, trace_numbers(model.config, setup), "traced at full depth", gpu)
     types = _layer_types(model.config)
     if types and len(set(types)) > 1:
         base_types = [types[0]] * depths[0]
@@ -528,15 +530,23 @@ def trace(model: ModelSpec, setup: Setup, *, full_depth_max: int = 4, depths: tu
         b = trace_numbers(model.config, setup, depths[1])
         nums = _extrapolate(a, b, L)
         note = f"traced at {depths[0]} and {depths[1]} layers, extrapolated to {L}"
-    return breakdown_from_trace(model, setup, nums, note)
+    return breakdown_from_trace(model, setup, nums, note, gpu)
 
 
-def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, note: str = "") -> Breakdown:
+def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, note: str = "", gpu=None) -> Breakdown:
+    """The traced numbers as a Breakdown. The tracer measures live tensors; the allocated,
+    reserved and device totals add the same named overheads the analytic tier adds."""
+    from .estimator.corrections import device_overheads
+
     phase_peaks = {ph: nums.phase(ph).bytes for ph in PHASES}
     phase = max(PHASES, key=lambda ph: phase_peaks[ph])
     cats = nums.phase(phase).categories
-    components = tuple(Component(name=c, bytes=int(cats.get(c, 0)), phases=(phase,)) for c in CATEGORIES)
     peak = phase_peaks[phase]
+    allocated, reserved, device_total, overheads = device_overheads(peak, setup.gpus, gpu)
+    components = tuple(Component(name=c, bytes=int(cats.get(c, 0)), phases=(phase,)) for c in CATEGORIES) + tuple(
+        Component(name, n, PHASES, note=(n_note + "; " if n_note else "") + "published figure, not traced")
+        for name, n, n_note in overheads
+    )
     return Breakdown(
         model=model.name,
         setup=setup,
@@ -545,10 +555,11 @@ def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, not
         phase_peaks_bytes=phase_peaks,
         phase=phase,
         tensor_peak_bytes=peak,
-        peak_allocated_bytes=peak,
-        peak_reserved_bytes=peak,
-        device_total_bytes=peak,
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=reserved,
+        device_total_bytes=device_total,
         params_total=nums.params_total,
         params_trainable=nums.params_trainable,
+        gpu=gpu,
         notes=(note,),
     )

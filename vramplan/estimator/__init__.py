@@ -12,7 +12,7 @@ from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..units import BNB_8BIT_STATE_BYTES, DTYPE_BYTES, PRECISION_WEIGHT_DTYPE, QUANT_BYTES_PER_PARAM
 from . import activations as act
 from .lora import adapted_linears, lora_params
-from .corrections import DEFAULT_CORRECTIONS, Corrections
+from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
 
 __all__ = ["estimate", "Corrections", "DEFAULT_CORRECTIONS", "lora_params", "trainable_params"]
 
@@ -215,13 +215,7 @@ def estimate(
     phase = max(PHASES, key=lambda p: phase_peaks[p])
     tensor_peak = phase_peaks[phase]
 
-    # device-level corrections
-    sm90 = gpu is not None and gpu.compute_capability is not None and float(gpu.compute_capability) >= 9.0
-    ws = corrections.cublas_handles * (corrections.cublas_workspace_bytes_sm90 if sm90 else corrections.cublas_workspace_bytes)
-    allocated = tensor_peak + ws
-    reserved = int(allocated * (1 + corrections.allocator_fragmentation))
-    nccl = corrections.nccl_bytes if setup.gpus > 1 else 0
-    device_total = reserved + corrections.cuda_context_bytes + nccl
+    allocated, reserved, device_total, overheads = device_overheads(tensor_peak, setup.gpus, gpu, corrections)
 
     fb = ("forward", "backward")
     comps = [
@@ -237,10 +231,7 @@ def estimate(
         Component("model_io_activations", A_glob, fb, note="embeddings, final norm, fp32 log-probs"),
         Component("logits_loss", max(logits_fwd, logits_bwd), fb, note="logits, fp32 upcast and its gradient"),
         Component("deepspeed_buffers", zero_buffers, PHASES) if zero_buffers else None,
-        Component("cublas_workspace", ws, PHASES),
-        Component("allocator_overhead", reserved - allocated, PHASES, note=f"{corrections.allocator_fragmentation:.0%} of allocated"),
-        Component("cuda_context", corrections.cuda_context_bytes, PHASES),
-        Component("nccl", nccl, PHASES) if nccl else None,
+        *(Component(name, n, PHASES, note=note) for name, n, note in overheads),
         Component("host_offload", host, PHASES, where="host") if host else None,
     ]
     return Breakdown(

@@ -32,3 +32,27 @@ class Corrections:
 
 
 DEFAULT_CORRECTIONS = Corrections()
+
+
+def device_overheads(tensor_peak_bytes: int, gpus: int, gpu, corrections: Corrections = DEFAULT_CORRECTIONS):
+    """From a tensor peak to the three device-level numbers, with the overhead components.
+
+    Returns ``(allocated, reserved, device_total, components)`` where components is a list of
+    (name, bytes, note): cuBLAS workspaces count in ``max_memory_allocated``; the caching
+    allocator's slack in ``max_memory_reserved``; the CUDA context and NCCL only in nvidia-smi.
+    Shared by the analytic and the traced tier, so both judge a fit the same way.
+    """
+    sm90 = gpu is not None and gpu.compute_capability is not None and float(gpu.compute_capability) >= 9.0
+    ws = corrections.cublas_handles * (corrections.cublas_workspace_bytes_sm90 if sm90 else corrections.cublas_workspace_bytes)
+    allocated = tensor_peak_bytes + ws
+    reserved = int(allocated * (1 + corrections.allocator_fragmentation))
+    nccl = corrections.nccl_bytes if gpus > 1 else 0
+    device_total = reserved + corrections.cuda_context_bytes + nccl
+    components = [
+        ("cublas_workspace", ws, ""),
+        ("allocator_overhead", reserved - allocated, f"{corrections.allocator_fragmentation:.0%} of allocated"),
+        ("cuda_context", corrections.cuda_context_bytes, ""),
+    ]
+    if nccl:
+        components.append(("nccl", nccl, ""))
+    return allocated, reserved, device_total, components
