@@ -98,3 +98,21 @@ def test_profile_config_files_are_verbatim_json():
     for hf_id in shipped_models():
         assert isinstance(load_model(hf_id).config, dict)
     assert json.dumps(load_model("gpt2").config)
+
+
+def test_unknown_model_type_without_transformers_names_the_extra():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['transformers'] = None; sys.modules['torch'] = None\n"
+        "from vramplan.architecture import model_spec_from_config\n"
+        "from vramplan.specs import SpecError\n"
+        "try:\n"
+        "    model_spec_from_config({'model_type': 'falcon', 'hidden_size': 64})\n"
+        "except SpecError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "falcon" in out.stdout and "pip install 'vramplan[run]'" in out.stdout

@@ -308,6 +308,8 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
 
     if setup.quant != "none":
         raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; it needs a real run (the measured tier)")
+    if setup.loss != "hf":
+        raise NotTraceable("a chunked/fused loss is not part of transformers' step; only the hf loss is traced")
     if setup.zero_stage or setup.gpus > 1:
         raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; it needs a real run (the measured tier)")
     if setup.precision in ("bf16-mixed", "fp16-mixed"):

@@ -113,7 +113,7 @@ def estimate(
 ) -> Breakdown:
     """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU)."""
     N = setup.tokens
-    V, h = model.vocab_size, model.hidden_size
+    h = model.hidden_size
     c = act.compute_bytes(setup)
     L = model.num_layers
     n_gpus = setup.gpus
@@ -158,8 +158,7 @@ def estimate(
     kept_tok = act.checkpoint_bytes_per_token(model, setup) * N if setup.checkpointing else layer_tok
     A_layers = int(L * kept_tok + (0 if setup.checkpointing else merged_total))
     A_glob = int(act.global_bytes_per_token(model, setup) * N)
-    logits_fwd = (c + 4) * N * V  # c-byte logits and their fp32 copy (log-probs are saved)
-    logits_bwd = 8 * N * V  # grad of the log-probs and of the fp32 logits (log_softmax backward)
+    logits_fwd, logits_bwd = act.loss_transients(model, setup)
     T_attn = act.attention_backward_transient_per_token(model, setup) * N
 
     def layer_backward(idx: int) -> tuple[float, float]:
@@ -229,7 +228,8 @@ def estimate(
         Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb, note="layer inputs kept by checkpointing") if setup.checkpointing else None,
         Component("recompute", A_recompute, ("backward",), note="one layer recomputed, with its gradient temporaries") if A_recompute else None,
         Component("model_io_activations", A_glob, fb, note="embeddings, final norm, fp32 log-probs"),
-        Component("logits_loss", max(logits_fwd, logits_bwd), fb, note="logits, fp32 upcast and its gradient"),
+        Component("logits_loss", max(logits_fwd, logits_bwd), fb,
+                  note="logits, fp32 upcast and its gradient" if setup.loss == "hf" else f"one {act.LOSS_CHUNK_TOKENS}-token chunk (not traced)"),
         Component("deepspeed_buffers", zero_buffers, PHASES) if zero_buffers else None,
         *(Component(name, n, PHASES, note=note) for name, n, note in overheads),
         Component("host_offload", host, PHASES, where="host") if host else None,

@@ -173,10 +173,12 @@ def mlp_bytes(model: ModelSpec, setup: Setup) -> float:
 
 
 def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...]) -> float:
-    """peft casts each adapter's input to the adapter dtype (fp32); lora_B keeps lora_A's output.
-    Per token, for one layer that has the Linears of these roles."""
+    """peft casts each adapter's input to the adapter dtype (fp32) and lora_A keeps it (with
+    lora_dropout > 0, the dropped-out copy instead, plus its bool mask); lora_B keeps lora_A's
+    output. Per token, for one layer that has the Linears of these roles."""
+    mask = 1 if setup.lora_dropout > 0 else 0
     return sum(
-        4 * l.in_features + 4 * setup.lora_rank for l in adapted_linears(model, setup) if l.role in roles
+        (4 + mask) * l.in_features + 4 * setup.lora_rank for l in adapted_linears(model, setup) if l.role in roles
     )
 
 
@@ -334,10 +336,32 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     total += norm_bytes(model, setup, trainable_weight=full)
     if full:
         total += c * h  # lm_head input
-    total += 4 * V  # log_softmax output (fp32)
-    if model.config.get("final_logit_softcapping"):
+    if setup.loss == "hf":
+        total += 4 * V  # log_softmax output (fp32)
+    else:
+        total += c * h  # chunked fused loss: the hidden states' gradient, computed in the forward
+    if model.config.get("final_logit_softcapping") and setup.loss == "hf":
         total += c * V  # tanh output of the final soft-capping (Gemma2)
     return total
+
+
+#: Tokens per chunk of a chunked/fused linear + cross-entropy loss (Liger's
+#: LigerFusedLinearCrossEntropyLoss and similar keep the logits of one chunk at a time).
+LOSS_CHUNK_TOKENS = 1024
+
+
+def loss_transients(model: ModelSpec, setup: Setup) -> tuple[int, int]:
+    """Bytes alive at the loss in the forward and at its backward, beyond saved activations.
+
+    transformers' ForCausalLMLoss: the c-byte logits and their fp32 copy while log_softmax runs
+    (its fp32 output is saved), then two fp32 N x V gradients in log_softmax's backward. A chunked
+    fused loss never materialises the N x V logits: one chunk's logits, their fp32 copy and
+    gradient at a time, in the forward (it computes the gradient there) and none in backward."""
+    c, V, N = compute_bytes(setup), model.vocab_size, setup.tokens
+    if setup.loss == "hf":
+        return (c + 4) * N * V, 8 * N * V
+    chunk = min(N, LOSS_CHUNK_TOKENS)
+    return (c + 8) * chunk * V, 0
 
 
 def rope_dim(model: ModelSpec) -> int:

@@ -1,0 +1,108 @@
+"""The analytic tier's own contract: pure, torch-free, and every knob of Setup moves the numbers
+the way the memory it models moves (the knobs issue 3 makes exact are first-order here)."""
+
+import dataclasses
+
+import pytest
+
+from vramplan.estimator import estimate, lora_params, trainable_params
+from vramplan.profiles import load_gpu, load_model
+from vramplan.specs import PHASES, Setup, SpecError
+
+MODEL = load_model("llama-3.1-8b")
+BASE = Setup(method="lora", checkpointing=True, seq=2048)
+
+
+def peak(**changes) -> int:
+    return estimate(MODEL, BASE.replace(**changes)).tensor_peak_bytes
+
+
+def component(name: str, **changes) -> int:
+    return estimate(MODEL, BASE.replace(**changes)).component(name)
+
+
+def test_phases_are_a_max_not_a_sum():
+    bd = estimate(MODEL, Setup())
+    assert bd.tensor_peak_bytes == max(bd.phase_peaks_bytes.values())
+    assert bd.phase in PHASES and bd.phase_peaks_bytes[bd.phase] == bd.tensor_peak_bytes
+    gpu_sum = sum(c.bytes for c in bd.components if c.where == "gpu")
+    assert bd.device_total_bytes < gpu_sum  # activations and the optimizer transient never coexist
+    assert bd.tensor_peak_bytes < bd.peak_allocated_bytes < bd.peak_reserved_bytes < bd.device_total_bytes
+
+
+def test_known_counts():
+    assert MODEL.params_total == 8_030_261_248
+    assert lora_params(MODEL, Setup(method="lora", lora_rank=16)) == 41_943_040  # r=16, all-linear
+    assert trainable_params(MODEL, Setup()) == MODEL.params_total
+
+
+def test_estimate_is_pure():
+    setup = Setup(method="qlora", zero_stage=2, gpus=2)
+    before = dataclasses.asdict(setup)
+    a, b = estimate(MODEL, setup), estimate(MODEL, setup)
+    assert a == b and dataclasses.asdict(setup) == before
+
+
+@pytest.mark.parametrize(
+    "smaller, larger",
+    [
+        ({"quant": "nf4", "method": "qlora"}, {}),  # a 4-bit base
+        ({"quant": "int8"}, {}),  # an 8-bit base
+        ({"double_quant": True, "method": "qlora"}, {"double_quant": False, "method": "qlora"}),
+        ({}, {"method": "full"}),
+        ({"lora_rank": 8}, {"lora_rank": 128}),
+        ({"lora_targets": "q_proj,v_proj"}, {}),
+        ({"checkpointing": False}, {"checkpointing": False, "lora_dropout": 0.1}),
+        ({}, {"precision": "fp32"}),
+        ({}, {"precision": "bf16-mixed"}),
+        ({"optimizer": "adamw-8bit", "method": "full"}, {"method": "full"}),
+        ({"optimizer": "sgd", "method": "full"}, {"method": "full"}),
+        ({"optimizer": "adamw-fused", "method": "full"}, {"method": "full"}),
+        ({"optimizer": "adafactor", "method": "full"}, {"method": "full"}),
+        ({}, {"checkpointing": False}),
+        ({}, {"attn": "eager", "seq": 4096}),
+        ({"seq": 1024}, {"seq": 4096}),
+        ({"batch": 1}, {"batch": 4}),
+        ({"loss": "chunked", "seq": 8192}, {"seq": 8192}),
+        ({"method": "full", "zero_stage": 3, "gpus": 8}, {"method": "full", "zero_stage": 1, "gpus": 8}),
+        ({"method": "full", "zero_stage": 2, "gpus": 8, "offload_optimizer": "cpu"}, {"method": "full", "zero_stage": 2, "gpus": 8}),
+    ],
+)
+def test_every_knob_moves_memory_the_right_way(smaller, larger):
+    assert peak(**smaller) < peak(**larger)
+
+
+def test_grad_accumulation_keeps_gradients_through_later_forwards():
+    one = estimate(MODEL, Setup(checkpointing=True))
+    four = estimate(MODEL, Setup(checkpointing=True, grad_accum=4))
+    assert four.phase_peaks_bytes["forward"] - one.phase_peaks_bytes["forward"] == one.component("gradients")
+
+
+def test_offload_moves_memory_to_the_host():
+    on_gpu = estimate(MODEL, Setup(zero_stage=3, gpus=4))
+    off = estimate(MODEL, Setup(zero_stage=3, gpus=4, offload_optimizer="cpu", offload_params="cpu"))
+    assert off.host_bytes > on_gpu.host_bytes == 0
+    assert off.tensor_peak_bytes < on_gpu.tensor_peak_bytes
+
+
+def test_more_gpus_never_cost_more_per_gpu_under_zero():
+    peaks = [estimate(MODEL, Setup(zero_stage=3, gpus=n)).tensor_peak_bytes for n in (1, 2, 4, 8)]
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_fit_is_judged_on_device_total():
+    gpu = load_gpu("rtx-4090")
+    bd = estimate(MODEL, BASE, gpu)
+    assert bd.fits == (bd.device_total_bytes <= gpu.usable_memory_bytes)
+    assert bd.headroom_bytes == gpu.usable_memory_bytes - bd.device_total_bytes
+    assert estimate(MODEL, Setup(), gpu).fits is False
+
+
+def test_hopper_uses_the_larger_cublas_workspace():
+    assert (estimate(MODEL, BASE, load_gpu("h100-sxm")).component("cublas_workspace")
+            > estimate(MODEL, BASE, load_gpu("a100-80gb")).component("cublas_workspace"))
+
+
+def test_setups_peft_would_refuse_raise_from_estimate_too():
+    with pytest.raises(SpecError, match="larger than the smallest targeted layer"):
+        estimate(load_model("smollm2-135m"), Setup(method="lora", lora_rank=4096))
