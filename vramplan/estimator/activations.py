@@ -305,10 +305,10 @@ def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup, idx: int) -
 def attention_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
     """Gradient temporaries of the attention and norm backward, once the MLP side is freed:
     the fp32 norm gradients dominate (NORM_BACKWARD_H); eager attention's score gradients
-    (fp32 and c-byte, 9 a s) where larger."""
+    (fp32 and c-byte, 5.75 a s net of what they free) where larger."""
     mode = "full" if setup.method == "full" else "lora"
     norm = NORM_BACKWARD_H[(traits(model).norm, mode)] * model.hidden_size
-    eager = 9 * model.num_heads * setup.seq if attention_impl(model, setup) == "eager" else 0
+    eager = 5.75 * model.num_heads * setup.seq if attention_impl(model, setup) == "eager" else 0
     return max(norm, eager)
 
 
