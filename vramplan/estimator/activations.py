@@ -299,7 +299,12 @@ def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup, idx: int) -
         routed = model.moe.expert_intermediate_size * model.moe.top_k
         return c * (routed + 2 * h)  # grouped_mm backward over the routed tokens
     i = model.intermediate_size
-    return c * (3 * i + h) if setup.method == "full" else 4.64 * i + c * h
+    if setup.method == "full":
+        return c * (3 * i + h)
+    # LoRA: the fp32 gradient of the widest adapted MLP projection's lora_B output, beside the
+    # c-byte gradients of the gate/up product
+    widest = max((l.out_features for l in adapted_linears(model, setup) if l.role == "mlp"), default=i)
+    return 4 * widest + 0.64 * i + c * h
 
 
 def attention_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
