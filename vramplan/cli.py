@@ -415,5 +415,13 @@ def gpus(as_json: bool) -> None:
     console.print("[dim]TFLOP/s: dense bf16 (fp16 where the GPU has no bf16); GB/s: memory bandwidth[/]")
 
 
+# Commands defined in vramplan/commands/ register themselves on `main` when imported.
+from .commands import check as _check_cmd  # noqa: E402,F401
+from .commands import emit as _emit_cmd  # noqa: E402,F401
+from .commands import measure as _measure_cmd  # noqa: E402,F401
+from .commands import plan as _plan_cmd  # noqa: E402,F401
+from .commands import validate as _validate_cmd  # noqa: E402,F401
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -344,3 +344,76 @@ class Breakdown:
             "notes": list(self.notes),
             "error_band": self.error_band,
         }
+
+
+# ----------------------------------------------------------------------------------------------
+# Plan
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An option the search turned down, and why (``"full fine-tune: needs 129.3 GiB > 23.6 GiB usable"``)."""
+
+    setup: Setup
+    reason: str
+    device_total_bytes: int | None = None
+
+    def to_json(self) -> dict:
+        return {"setup": self.setup.to_dict(), "reason": self.reason, "device_total_bytes": self.device_total_bytes}
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A plan that fits but was not chosen: one point of the memory / speed / quality trade-off."""
+
+    setup: Setup
+    device_total_bytes: int
+    tokens_per_s: float | None = None
+    quality: str = ""  # e.g. "full", "lora r=64", "qlora r=16"
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return {"setup": self.setup.to_dict(), "device_total_bytes": self.device_total_bytes,
+                "tokens_per_s": self.tokens_per_s, "quality": self.quality, "note": self.note}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A Setup chosen for a model on a GPU: its Breakdown, estimated speed, the alternatives and the
+    rejected options. The plan file (``vramplan.planfile``) is this object as JSON/YAML; ``emit``,
+    ``measure`` and ``check`` read it.
+
+    ``model`` is the reference ``load_model`` resolves (HF id, alias, or a config path).
+    ``setup.gpus`` is the total number of GPUs; ``nodes`` splits them evenly across machines.
+    """
+
+    model: str
+    setup: Setup
+    breakdown: Breakdown
+    gpu: GpuSpec | None = None
+    nodes: int = 1
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    alternatives: tuple[Alternative, ...] = ()
+    rejected: tuple[Rejected, ...] = ()
+    notes: tuple[str, ...] = ()
+    recorded_estimate: dict | None = None  # the estimate JSON stored in a loaded plan file
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise SpecError(f"nodes must be a positive integer; got {self.nodes!r}")
+        if self.setup.gpus % self.nodes:
+            raise SpecError(f"{self.setup.gpus} GPUs cannot be split evenly over {self.nodes} nodes")
+
+    @property
+    def fits(self) -> bool | None:
+        return self.breakdown.fits
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.setup.gpus // self.nodes
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro-batch x grad accumulation x GPUs."""
+        return self.setup.batch * self.setup.grad_accum * self.setup.gpus

@@ -1,0 +1,1 @@
+"""`vramplan check` (see the module docstring once implemented)."""

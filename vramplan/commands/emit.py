@@ -1,0 +1,1 @@
+"""`vramplan emit` (see the module docstring once implemented)."""

@@ -1,0 +1,1 @@
+"""`vramplan measure` (see the module docstring once implemented)."""

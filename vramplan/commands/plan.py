@@ -1,0 +1,1 @@
+"""`vramplan plan` (see the module docstring once implemented)."""

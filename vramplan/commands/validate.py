@@ -1,0 +1,1 @@
+"""`vramplan validate` (see the module docstring once implemented)."""

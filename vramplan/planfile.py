@@ -1,0 +1,187 @@
+"""Plan files: the hand-off between ``plan`` and ``emit`` / ``measure`` / ``check``.
+
+A plan file is one JSON object (``.json``) or the same mapping in YAML (``.yaml``/``.yml``)::
+
+    vramplan_plan: 1              # format version
+    vramplan_version: "0.1.0"
+    model: meta-llama/Llama-3.1-8B   # anything load_model resolves
+    gpu: {name: rtx-4090, usable_memory_bytes: 25390809088}   # or null
+    nodes: 1
+    fits: true
+    setup: {method: lora, lora_rank: 16, ...}                 # Setup.to_dict()
+    tokens_per_s: 2890.5
+    step_time_s: 0.71
+    global_batch: 16
+    breakdown: {...}                                          # Breakdown.to_json() when planned
+    alternatives: [{setup: {...}, device_total_bytes: ..., tokens_per_s: ..., quality: ..., note: ...}]
+    rejected: [{setup: {...}, reason: "...", device_total_bytes: ...}]
+    notes: ["..."]
+
+``load_plan`` validates the file, resolves model and GPU again and re-estimates (milliseconds), and
+keeps the file's own ``breakdown`` as ``Plan.recorded_estimate`` so a run can be compared with the
+prediction it was made from. Every problem is a one-line ``SpecError``. No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .fileio import atomic_write_text
+from .specs import Alternative, GpuSpec, Plan, Rejected, Setup, SpecError
+
+FORMAT_VERSION = 1
+
+
+def plan_to_json(plan: Plan) -> dict:
+    """The plan as one JSON-ready mapping (what ``vramplan plan --json`` prints)."""
+    from . import __version__
+
+    gpu = plan.gpu
+    return {
+        "vramplan_plan": FORMAT_VERSION,
+        "vramplan_version": __version__,
+        "model": plan.model,
+        "gpu": None if gpu is None else {"name": gpu.name, "display_name": gpu.display_name,
+                                         "usable_memory_bytes": gpu.usable_memory_bytes},
+        "nodes": plan.nodes,
+        "fits": plan.fits,
+        "setup": plan.setup.to_dict(),
+        "tokens_per_s": plan.tokens_per_s,
+        "step_time_s": plan.step_time_s,
+        "global_batch": plan.global_batch,
+        "breakdown": plan.breakdown.to_json(),
+        "alternatives": [a.to_json() for a in plan.alternatives],
+        "rejected": [r.to_json() for r in plan.rejected],
+        "notes": list(plan.notes),
+    }
+
+
+def dumps_plan(plan: Plan, fmt: str = "json") -> str:
+    data = plan_to_json(plan)
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    if fmt == "yaml":
+        import yaml
+
+        return yaml.safe_dump(data, sort_keys=False, width=100)
+    raise SpecError(f"unknown plan format {fmt!r}; use json or yaml")
+
+
+def _format_for(path: str | os.PathLike) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix == ".json":
+        return "json"
+    if suffix in (".yaml", ".yml"):
+        return "yaml"
+    raise SpecError(f"{path}: a plan file ends in .json, .yaml or .yml")
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
+    """Write the plan atomically as JSON or YAML, chosen by the file's extension."""
+    return atomic_write_text(path, dumps_plan(plan, _format_for(path)))
+
+
+def read_plan_data(path: str | os.PathLike) -> dict:
+    """The raw mapping of a plan file, checked for shape; errors name the file and the problem."""
+    fmt = _format_for(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such plan file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read plan file ({exc})") from None
+    try:
+        if fmt == "json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
+        first = " ".join(str(exc).split())
+        raise SpecError(f"{path}: not valid {fmt.upper()} ({first})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: a plan file holds one mapping, got {type(data).__name__}")
+    if data.get("vramplan_plan") != FORMAT_VERSION:
+        raise SpecError(f"{path}: not a vramplan plan file (missing 'vramplan_plan: {FORMAT_VERSION}')")
+    for key in ("model", "setup"):
+        if key not in data:
+            raise SpecError(f"{path}: plan file has no '{key}'")
+    if not isinstance(data["model"], str) or not data["model"]:
+        raise SpecError(f"{path}: 'model' must be a model name or path")
+    if not isinstance(data["setup"], dict):
+        raise SpecError(f"{path}: 'setup' must be a mapping of setup keys")
+    return data
+
+
+def _gpu_from_data(entry, path) -> GpuSpec | None:
+    from .profiles import load_gpu
+
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        return load_gpu(entry)
+    if not isinstance(entry, dict) or "name" not in entry:
+        raise SpecError(f"{path}: 'gpu' must be a GPU name or a mapping with 'name'")
+    name = entry["name"]
+    if str(name).startswith("custom-"):
+        size = entry.get("usable_memory_bytes")
+        if not isinstance(size, int) or size <= 0:
+            raise SpecError(f"{path}: custom GPU needs a positive integer 'usable_memory_bytes'")
+        return GpuSpec.custom(size)
+    return load_gpu(str(name))
+
+
+def _setup_from(data, path, where: str = "setup") -> Setup:
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: '{where}' must be a mapping")
+    try:
+        return Setup.from_dict(data)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {where}: {exc}") from None
+    except TypeError as exc:
+        raise SpecError(f"{path}: {where}: {exc}") from None
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read a plan file, resolve its model and GPU, and re-estimate its setup."""
+    from .estimator import estimate
+    from .profiles import load_model
+
+    data = read_plan_data(path)
+    setup = _setup_from(data["setup"], path)
+    gpu = _gpu_from_data(data.get("gpu"), path)
+    model = load_model(data["model"])
+    nodes = data.get("nodes", 1)
+    if not isinstance(nodes, int) or nodes < 1:
+        raise SpecError(f"{path}: 'nodes' must be a positive integer")
+    alternatives = []
+    for i, a in enumerate(data.get("alternatives") or []):
+        if not isinstance(a, dict):
+            raise SpecError(f"{path}: alternatives[{i}] must be a mapping")
+        alternatives.append(Alternative(setup=_setup_from(a.get("setup"), path, f"alternatives[{i}].setup"),
+                                        device_total_bytes=int(a.get("device_total_bytes") or 0),
+                                        tokens_per_s=a.get("tokens_per_s"), quality=str(a.get("quality", "")),
+                                        note=str(a.get("note", ""))))
+    rejected = []
+    for i, r in enumerate(data.get("rejected") or []):
+        if not isinstance(r, dict):
+            raise SpecError(f"{path}: rejected[{i}] must be a mapping")
+        rejected.append(Rejected(setup=_setup_from(r.get("setup"), path, f"rejected[{i}].setup"),
+                                 reason=str(r.get("reason", "")), device_total_bytes=r.get("device_total_bytes")))
+    recorded = data.get("breakdown")
+    return Plan(
+        model=data["model"],
+        setup=setup,
+        breakdown=estimate(model, setup, gpu),
+        gpu=gpu,
+        nodes=nodes,
+        step_time_s=data.get("step_time_s"),
+        tokens_per_s=data.get("tokens_per_s"),
+        alternatives=tuple(alternatives),
+        rejected=tuple(rejected),
+        notes=tuple(str(n) for n in data.get("notes") or ()),
+        recorded_estimate=recorded if isinstance(recorded, dict) else None,
+    )
