@@ -32,13 +32,28 @@ FAMILY_MODELS = {
 
 @dataclass(frozen=True)
 class Row:
+    """One estimate-vs-truth comparison. ``truth`` names what measured it: ``trace`` (fake
+    tensors), ``cpu-run`` (a real CPU step counted by LiveTensorCounter), ``deepspeed-N`` /
+    ``fsdp-N`` (N real processes, per rank), ``measured`` (a GPU run). ``knob`` groups rows in the
+    validate table; ``quantity`` says which headline number is compared (tensor_peak_bytes unless
+    stated). A row whose truth could not run has ``verified=False`` and says ``why``."""
+
     model: str
     family: str
     setup: Setup
-    traced_bytes: int
+    traced_bytes: int  # the truth's bytes (named for the first truth, the tracer)
     estimated_bytes: int
     traced_phase: str
     estimated_phase: str
+    truth: str = "trace"
+    knob: str = ""
+    quantity: str = "tensor_peak_bytes"
+    verified: bool = True
+    why: str = ""
+
+    @property
+    def truth_bytes(self) -> int:
+        return self.traced_bytes
 
     @property
     def error(self) -> float:
