@@ -1,1 +1,166 @@
-"""`vramplan check` (see the module docstring once implemented)."""
+"""`vramplan check`: fail CI when a change pushes fine-tuning memory past the budget or the baseline.
+
+The checks, the comparison and the machine-readable outputs live in :mod:`vramplan.check` (pure);
+this module prints them and writes the baseline. Exit codes: 0 every check passed, 1 a regression
+(a ``must_fit`` check over its GPU's usable memory, or a headline number grown beyond the
+tolerance), 2 bad input (one ``error:`` line).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..cli import _user_errors, _warn, main
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
+@click.option("--baseline", "baseline_path", default="vram-baseline.json", show_default=True, metavar="PATH",
+              help="Recorded numbers to compare with (JSON; written by --update).")
+@click.option("--update", is_flag=True, help="Record this run's numbers in the baseline (atomically) and print the diff.")
+@click.option("--tolerance", default="2%", show_default=True, metavar="PCT",
+              help="Growth of a headline number beyond this fails the check (a check's own tolerance wins).")
+@click.option("--tier", type=click.Choice(["analytic", "trace"]), default="analytic", show_default=True,
+              help="analytic: the estimator (no torch, milliseconds); trace: fake-tensor trace (needs torch).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "github"]), default="table", show_default=True,
+              help="github: ::error/::warning annotations and a Markdown summary.")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+@click.option("--require-baseline", is_flag=True, help="Fail checks that have no baseline entry.")
+@click.option("--summary", "summary_path", envvar="GITHUB_STEP_SUMMARY", metavar="PATH", show_envvar=True,
+              help="With --format github: append the Markdown summary to PATH instead of printing it.")
+@_user_errors
+def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: str, tier: str, fmt: str,
+          as_json: bool, require_baseline: bool, summary_path: str | None) -> None:
+    """Check memory of the training setups in SPEC files against GPU budgets and a baseline.
+
+    SPEC is a checks file (YAML or JSON: `checks: [{name, model, gpu, setup, must_fit, tolerance}]`)
+    or a plan file (one check, named after the file). Exit code 0: all passed; 1: a check is over
+    its budget or grew beyond the tolerance; 2: bad input.
+    """
+    from ..check import (
+        load_specs,
+        parse_tolerance,
+        read_baseline,
+        run_checks,
+        updated_records,
+        write_baseline,
+    )
+
+    fmt = "json" if as_json else fmt
+    tol = parse_tolerance(tolerance, "--tolerance")
+    checks = load_specs(specs)
+    baseline = read_baseline(baseline_path)
+    if tier == "trace":
+        from ..cli import _quiet_libraries
+
+        _quiet_libraries()
+    run = run_checks(checks, baseline, tier=tier, tolerance=tol, baseline_path=baseline_path,
+                     require_baseline=require_baseline)
+    if baseline is None and not update:
+        _warn(f"no baseline at {baseline_path}: every check is new (vramplan check --update records one)")
+    for r in run.results:
+        for w in r.warnings:
+            _warn(f"check {r.spec.name!r}: {w}")
+    if update:
+        write_baseline(baseline_path, updated_records(baseline, run))
+    _report(run, fmt, update, summary_path)
+    code = run.exit_code(accept_growth=update)
+    if code:
+        raise SystemExit(code)
+
+
+def _report(run, fmt: str, updated: bool, summary_path: str | None) -> None:
+    from ..check import github_annotations, markdown_summary, run_to_json
+    from ..cli import _print_json
+
+    if fmt == "json":
+        _print_json(run_to_json(run, updated=updated))
+    elif fmt == "github":
+        for line in github_annotations(run, updated=updated):
+            click.echo(line)
+        text = markdown_summary(run, updated=updated)
+        if summary_path:
+            _append(summary_path, text)
+        else:
+            click.echo(text, nl=False)
+    else:
+        _print_table(run, updated)
+
+
+def _append(path: str, text: str) -> None:
+    """Append to the step summary through an atomic rewrite (other steps append to it too)."""
+    from ..fileio import atomic_write_text
+
+    try:
+        old = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        old = ""
+    atomic_write_text(path, old + ("\n" if old and not old.endswith("\n") else "") + text)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:,.2f}"
+
+
+_STYLE = {"over-budget": "bold red", "grew": "bold red", "shrank": "yellow", "new": "cyan", "ok": "green"}
+
+
+def _print_table(run, updated: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    table = Table(show_edge=False, pad_edge=False)
+    for col, justify in (("check", "left"), ("gpu", "left"), ("needs GiB", "right"), ("usable", "right"),
+                         ("vs base", "right"), ("status", "left")):
+        table.add_column(col, justify=justify, overflow="fold", no_wrap=col != "check")
+    for r in run.results:
+        bd = r.breakdown
+        dt = r.device_total
+        table.add_row(
+            r.spec.name, r.spec.gpu.name if r.spec.gpu else "-", _gib(bd.device_total_bytes),
+            _gib(r.spec.gpu.usable_memory_bytes) if r.spec.gpu else "-",
+            f"{dt.relative:+.1%}" if dt is not None and dt.relative is not None else "-",
+            f"[{_STYLE[r.status]}]{r.status}{' (recorded)' if updated and r.status == 'grew' else ''}[/]",
+        )
+    console.print(f"[bold]vramplan check[/] · {run.tier} tier · tolerance {run.tolerance:.1%} · "
+                  f"baseline {run.baseline_path}{'' if run.baseline_found else ' (none yet)'}")
+    console.print(table)
+    for r in run.results:
+        if not (r.reasons or r.components or any(not n.startswith("new check: no baseline") for n in r.notes)):
+            continue
+        console.print(f"\n[{_STYLE[r.status]}]{r.spec.name}[/]: {r.status}"
+                      f"{' (recorded by --update)' if updated and r.status == 'grew' else ''}")
+        for line in (*r.reasons, *r.notes):
+            console.print(f"  {line}")
+        if r.numbers or r.components:
+            diff = Table(show_edge=False, pad_edge=False, box=None)
+            for col in ("", "baseline GiB", "now GiB", "change GiB", "change"):
+                diff.add_column(col, justify="left" if not col else "right")
+            moved = [d for d in r.numbers if d.delta_bytes] + list(r.components)
+            for d in moved:
+                rel = f"{d.relative:+.1%}" if d.relative is not None else "new"
+                diff.add_row(d.name, _gib(d.baseline_bytes), _gib(d.current_bytes),
+                             f"{'+' if d.delta_bytes >= 0 else '-'}{_gib(abs(d.delta_bytes))}", rel)
+            if moved:
+                console.print(diff)
+    if run.drift:
+        console.print("\n[yellow]baseline recorded under other versions:[/] " + "; ".join(run.drift))
+    if run.stale:
+        console.print(f"[dim]baseline entries no check refers to: {', '.join(run.stale)}[/]")
+    failures = run.failures(accept_growth=updated)
+    counts = ", ".join(f"{n} {s}" for s, n in run.counts().items() if n)
+    verdict = f"[bold red]{len(failures)} failed[/]" if failures else "[bold green]passed[/]"
+    console.print(f"\n{len(run.results)} checks: {counts} · {verdict}")
+    if updated:
+        console.print(f"baseline updated: {run.baseline_path} ({_update_summary(run)})")
+
+
+def _update_summary(run) -> str:
+    new = sum(1 for r in run.results if r.baseline is None)
+    changed = sum(1 for r in run.results if r.baseline is not None
+                  and (r.baseline.numbers != r.record.numbers or r.baseline.components != r.record.components))
+    return f"{len(run.results)} recorded: {new} new, {changed} changed, {len(run.results) - new - changed} unchanged"
+
