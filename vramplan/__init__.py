@@ -1,8 +1,9 @@
 """vramplan: will it fit? GPU memory of one LLM fine-tuning step.
 
-    from vramplan import estimate, load_model, load_gpu, Setup
+    from vramplan import estimate, load_model, load_gpu, plan, Setup
     bd = estimate(load_model("llama-3.1-8b"), Setup(method="lora", checkpointing=True), load_gpu("rtx-4090"))
     bd.fits, bd.device_total_bytes
+    plan("llama-3.1-8b", "rtx-4090", global_batch=16)   # the fastest setup that fits: a Plan
 
 Importing vramplan never imports torch: ``trace`` (the fake-tensor tier, which does) is loaded on
 first use.
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from .estimator import estimate
 from .profiles import load_gpu, load_model
-from .specs import Breakdown, GpuSpec, ModelSpec, Setup, SpecError
+from .search import plan
+from .specs import Breakdown, GpuSpec, ModelSpec, Plan, Setup, SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tracer import trace
@@ -23,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "estimate",
+    "plan",
     "trace",
     "load_model",
     "load_gpu",
@@ -30,6 +33,7 @@ __all__ = [
     "ModelSpec",
     "GpuSpec",
     "Breakdown",
+    "Plan",
     "SpecError",
     "__version__",
 ]

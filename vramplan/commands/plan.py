@@ -1,1 +1,193 @@
-"""`vramplan plan` (see the module docstring once implemented)."""
+"""`vramplan plan`: the fastest setup that fits a target, the trade-offs, and why the others fail.
+
+Every setup option is a *fixed knob* when given and a *free knob* (searched) when not, so the
+options here default to None instead of the canonical step's values that ``setup_options`` uses.
+The search is :func:`vramplan.search.plan`; this module parses, prints and writes files. No torch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import click
+
+from ..cli import _FLAG, _gpu_from, _print_json, _user_errors, _warn, describe, gpu_options, main
+from ..specs import ATTENTIONS, LOSSES, METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SpecError
+
+#: Plan keyword -> the flag a user typed, for error messages.
+_PLAN_FLAG = {**_FLAG, "global_batch": "--global-batch", "tokens_per_step": "--tokens-per-step",
+              "dataset_tokens": "--dataset-tokens", "nodes": "--nodes", "host_ram": "--host-ram"}
+
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmbgt]?)\s*$", re.IGNORECASE)
+_COUNT_MULT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str | None, flag: str) -> int | None:
+    """``"100M"``, ``"1.5B"``, ``"2e9"`` or ``"4096"`` -> an int (decimal suffixes)."""
+    if text is None:
+        return None
+    m = _COUNT_RE.match(text)
+    try:
+        value = float(m.group(1)) * _COUNT_MULT[m.group(2).lower()] if m else float(text)
+    except ValueError:
+        raise SpecError(f"{flag}: cannot read {text!r} as a count; write e.g. 4096, 100M or 1.5B") from None
+    if not value >= 1 or value == float("inf") or value != int(value):
+        raise SpecError(f"{flag} must be a positive whole number; got {text!r}")
+    return int(value)
+
+
+def _flagged(message: str) -> str:
+    field = message.split(" ", 1)[0]
+    return _PLAN_FLAG[field] + message[len(field):] if field in _PLAN_FLAG else message
+
+
+_choice = click.Choice
+
+
+@main.command()
+@click.argument("model")
+@gpu_options
+@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs in all (data parallel).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Machines the GPUs are split over evenly.")
+@click.option("--host-ram", metavar="SIZE", help="Host RAM per node for CPU offload, e.g. 128GiB  [default: not checked]")
+@click.option("--nvme", is_flag=True, help="Allow DeepSpeed NVMe offload (ZeRO-Infinity).")
+@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@click.option("--global-batch", metavar="N", help="Sequences per optimizer step over all GPUs  [default: free]")
+@click.option("--tokens-per-step", metavar="N", help="Tokens per optimizer step (e.g. 1M); sets the global batch.")
+@click.option("--dataset-tokens", metavar="N", help="Training tokens (e.g. 500M) to estimate the run's time.")
+@click.option("--method", type=_choice(METHODS), help="Fix the method  [default: searched]")
+@click.option("--lora-rank", type=int, help="Fix the LoRA rank  [default: searched over 8-256]")
+@click.option("--lora-alpha", type=int, help="LoRA alpha  [default: 2 x rank]")
+@click.option("--lora-dropout", type=float, help="LoRA dropout  [default: 0.0]")
+@click.option("--lora-targets", help="'all-linear' or comma-separated module names.")
+@click.option("--quant", type=_choice(QUANTS), help="Fix the base quantization  [default: searched]")
+@click.option("--no-quant", is_flag=True, help="Same as --quant none: an unquantized base.")
+@click.option("--double-quant/--no-double-quant", default=None, help="4-bit scales quantized too  [default: yes]")
+@click.option("--precision", type=_choice(PRECISIONS), help="[default: bf16, or fp16 on cards without bf16]")
+@click.option("--optimizer", type=_choice(OPTIMIZERS), help="[default: searched: adamw-fused or adamw-8bit]")
+@click.option("--checkpointing/--no-checkpointing", default=None, help="[default: searched]")
+@click.option("--attn", type=_choice(ATTENTIONS), help="[default: searched]")
+@click.option("--zero", "zero_stage", type=_choice(["0", "1", "2", "3"]), help="Fix the ZeRO stage  [default: searched]")
+@click.option("--offload-optimizer", type=_choice(OFFLOADS), help="[default: searched]")
+@click.option("--offload-params", type=_choice(OFFLOADS), help="[default: searched]")
+@click.option("--loss", type=_choice(LOSSES), help="[default: hf]")
+@click.option("--batch", type=int, help="Fix the micro-batch per GPU  [default: searched]")
+@click.option("--grad-accum", type=int, help="Fix the gradient accumulation  [default: from the global batch]")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+@click.option("--out", "out_file", metavar="FILE", help="Write the plan file (.yaml, .yml or .json).")
+@click.option("--html", "html_file", metavar="FILE", help="Write a standalone HTML report.")
+@click.option("--emit", "emit_dir", metavar="DIR", help="Write the launch files (`vramplan emit`) into DIR.")
+@_user_errors
+def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, nodes: int, host_ram: str | None,
+         nvme: bool, seq: int, global_batch: str | None, tokens_per_step: str | None, dataset_tokens: str | None,
+         no_quant: bool, as_json: bool, out_file: str | None, html_file: str | None, emit_dir: str | None,
+         **knobs: Any) -> None:
+    """The fastest setup of MODEL that fits the GPU, its alternatives, and why the others fail.
+
+    Setup options given are kept fixed; the others are searched (method, LoRA rank, quantization,
+    optimizer, checkpointing, attention, ZeRO stage, offload, micro-batch x grad accumulation).
+    """
+    from ..search import plan as run_plan
+    from ..units import parse_bytes
+
+    gpu = _gpu_from(gpu_name, gpu_memory)
+    if gpu is None:
+        raise SpecError("plan needs a target: pass --gpu NAME or --gpu-memory SIZE")
+    if no_quant:
+        if knobs.get("quant") not in (None, "none"):
+            raise SpecError(f"pass --quant {knobs['quant']} or --no-quant, not both")
+        knobs["quant"] = "none"
+    if knobs.get("zero_stage") is not None:
+        knobs["zero_stage"] = int(knobs["zero_stage"])
+    ram = None
+    if host_ram is not None:
+        try:
+            ram = parse_bytes(host_ram)
+        except (ValueError, OverflowError) as exc:
+            raise SpecError(f"--host-ram: {exc}") from None
+    fixed = {k: v for k, v in knobs.items() if v is not None}
+    if fixed.get("method") == "full":
+        given = [_FLAG[k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets") if k in fixed]
+        if given:
+            _warn(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with --method full")
+    try:
+        result = run_plan(model, gpu, gpus=gpus, nodes=nodes, host_ram=ram, nvme=nvme, seq=seq,
+                          global_batch=parse_count(global_batch, "--global-batch"),
+                          tokens_per_step=parse_count(tokens_per_step, "--tokens-per-step"),
+                          dataset_tokens=parse_count(dataset_tokens, "--dataset-tokens"), **fixed)
+    except SpecError as exc:
+        raise SpecError(_flagged(str(exc))) from None
+
+    from ..planfile import plan_to_json, save_plan
+
+    if out_file:
+        save_plan(result, out_file)
+    if html_file:
+        from ..report import write_html
+
+        write_html(result, html_file)
+    emitted = []
+    if emit_dir:
+        if not result.fits:
+            raise SpecError(f"nothing fits, so there is nothing to emit into {emit_dir}")
+        from ..emit import emit_to_dir, launch_command  # the emitters are torch-free too
+
+        emitted = emit_to_dir(result, emit_dir, formats=None, force=False)
+    if as_json:
+        _print_json(plan_to_json(result))
+    else:
+        print_plan(result)
+    for path in [out_file, html_file, *emitted]:
+        if path:
+            click.echo(f"wrote {path}", err=True)
+    if emitted:
+        click.echo(f"run: cd {emit_dir} && {launch_command(result)}", err=True)
+
+
+def print_plan(plan) -> None:
+    """The human-readable plan: verdict, memory bar, speed, alternatives, why-not lines, notes."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..report import terminal_bar, terminal_legend
+    from ..search import savers_text
+
+    console = Console(highlight=False)
+    bd, gpu = plan.breakdown, plan.gpu
+    usable = gpu.usable_memory_bytes
+    tight = any(n.startswith("tight") for n in plan.notes)
+    gpus = f"{plan.setup.gpus} x " if plan.setup.gpus > 1 else ""
+    nodes = f" over {plan.nodes} nodes" if plan.nodes > 1 else ""
+    verdict = ("[bold red]does not fit[/]" if not plan.fits else "[bold yellow]fits, tight[/]" if tight
+               else "[bold green]fits[/]")
+    console.print(f"[bold]{escape(plan.model)}[/] on {gpus}{escape(gpu.display_name)}{nodes} ({usable / 2**30:.1f} GiB usable): {verdict}")
+    label = "plan" if plan.fits else "closest"
+    console.print(f"{label}: {escape(describe(plan.setup))}")
+    console.print(terminal_bar(bd), f" {bd.device_total_bytes / 2**30:.1f} / {usable / 2**30:.1f} GiB")
+    console.print(terminal_legend(bd, console.width))
+    if plan.fits:
+        console.print(f"headroom {bd.headroom_bytes / 2**30:.1f} GiB · peak in {bd.phase}"
+                      + (f" · host RAM {bd.host_bytes / 2**30:.1f} GiB offloaded per GPU" if bd.host_bytes else ""))
+        console.print(f"speed: ~{plan.tokens_per_s:,.0f} tokens/s · {plan.step_time_s:.2f} s per step of "
+                      f"{plan.global_batch} x {plan.setup.seq} tokens (micro-batch {plan.setup.batch} x grad accum "
+                      f"{plan.setup.grad_accum}{f' x {plan.setup.gpus} GPUs' if plan.setup.gpus > 1 else ''})")
+    if plan.alternatives:
+        table = Table(title="alternatives (Pareto: memory · speed · quality)", title_justify="left",
+                      show_edge=False, pad_edge=False)
+        for col, kw in (("quality", {"no_wrap": True}), ("GiB", {"justify": "right"}),
+                        ("tokens/s", {"justify": "right"}), ("batch", {"justify": "right"}), ("memory savers", {}),
+                        ("vs chosen", {})):
+            table.add_column(col, **kw)
+        for a in plan.alternatives:
+            table.add_row(a.quality, f"{a.device_total_bytes / 2**30:.1f}", f"{(a.tokens_per_s or 0):,.0f}",
+                          f"{a.setup.batch}x{a.setup.grad_accum}", savers_text(a.setup), a.note)
+        console.print(table)
+    if plan.rejected:
+        console.print("[bold]why not[/]")
+        for r in plan.rejected:
+            console.print(f"  ✗ {escape(r.reason)}")
+    for note in plan.notes:
+        what_would = not plan.fits and note.startswith(("with ", "on ", "without "))
+        console.print(f"  → {escape(note)}" if what_would else f"[dim]note: {escape(note)}[/]")

@@ -1,0 +1,116 @@
+"""Speed of `vramplan plan`: the search alone (bar 100 ms) and the whole command (bar 0.5 s).
+
+    python benchmarks/plan_speed.py [-n 5]
+
+For each case: the median wall and CPU time of ``vramplan.plan(...)`` in this process after one
+warm-up (the model profile is cached, as it is after the command's first load), how many estimates
+it ran (the "what would fit" re-searches included), and the median wall time of the command as a
+user runs it (a fresh process, `--json` to a pipe). On a shared machine the CPU time is the
+steadier figure for the search.
+Printed, not asserted: timings depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+SEARCH_BAR_S = 0.100
+COMMAND_BAR_S = 0.5
+
+#: (model, gpu, plan keyword arguments, the same as CLI flags)
+CASES = [
+    ("llama-3.1-8b", "rtx-4090", {}, []),
+    ("llama-3.1-8b", "rtx-4090", {"global_batch": 16}, ["--global-batch", "16"]),
+    ("qwen2-0.5b", "a100-80gb", {"global_batch": 32}, ["--global-batch", "32"]),
+    ("llama-3.1-70b", "rtx-4090", {}, []),
+    ("llama-3.1-70b", "rtx-3060-12gb", {"host_ram": "64GiB"}, ["--host-ram", "64GiB"]),
+    ("qwen3-30b-a3b", "rtx-4090", {"nvme": True}, ["--nvme"]),
+    ("mixtral-8x7b", "a100-80gb", {"gpus": 4, "global_batch": 32}, ["--gpus", "4", "--global-batch", "32"]),
+    ("llama-3.1-8b", "h100-sxm", {"gpus": 8, "global_batch": 64}, ["--gpus", "8", "--global-batch", "64"]),
+    ("llama-3.1-70b", "h100-sxm", {"gpus": 16, "nodes": 2, "global_batch": 128, "nvme": True},
+     ["--gpus", "16", "--nodes", "2", "--global-batch", "128", "--nvme"]),
+]
+
+
+def vramplan_cmd() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "vramplan")
+    if os.path.exists(script):
+        return [script]
+    found = shutil.which("vramplan")
+    return [found] if found else [sys.executable, "-m", "vramplan"]
+
+
+def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, float, int, object]:
+    """Median wall and CPU seconds of ``vramplan.plan``, the estimates of the last run, the plan."""
+    import vramplan
+    from vramplan import search
+
+    vramplan.plan(model, gpu, **kwargs)  # warm-up: profile parsing, caches
+    counted = [0]
+    real = search._Search.estimate
+
+    def counting(self, setup):
+        if setup not in self.cache:
+            counted[0] += 1
+        return real(self, setup)
+
+    times, cpu = [], []
+    plan = None
+    for _ in range(n):
+        counted[0] = 0
+        search._Search.estimate = counting
+        try:
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan = vramplan.plan(model, gpu, **kwargs)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        finally:
+            search._Search.estimate = real
+    return statistics.median(times), statistics.median(cpu), counted[0], plan
+
+
+def time_command(argv: list[str], n: int) -> float:
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # warm-up
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, default=5, help="timed runs per case")
+    args = parser.parse_args()
+    from vramplan.search import quality_label
+
+    base = vramplan_cmd()
+    print(f"search: vramplan.plan() in-process, median of {args.n} (bar {SEARCH_BAR_S * 1000:.0f} ms); "
+          f"command: `{' '.join(base)} plan ... --json` in a fresh process (bar {COMMAND_BAR_S} s)")
+    header = (f"{'model':<15} {'gpu':<14} {'options':<42} {'search':>8} {'cpu':>8} {'estimates':>9} "
+              f"{'+relax':>8} {'command':>8}  {'chosen':<12} ok")
+    print(header)
+    print("-" * len(header))
+    for model, gpu, kwargs, flags in CASES:
+        search_s, cpu_s, estimates, plan = time_search(model, gpu, {**kwargs, "relax": False}, args.n)
+        _, relax_cpu_s, _, plan = time_search(model, gpu, kwargs, args.n)
+        command_s = time_command(base + ["plan", model, "--gpu", gpu, "--json", *flags], args.n)
+        chosen = quality_label(plan.setup) if plan.fits else "no fit"
+        ok = "yes" if search_s < SEARCH_BAR_S and command_s < COMMAND_BAR_S else "NO"
+        print(f"{model:<15} {gpu:<14} {' '.join(flags) or '-':<42} {search_s * 1000:>6.1f}ms {cpu_s * 1000:>6.1f}ms "
+              f"{estimates:>9} {relax_cpu_s * 1000:>6.1f}ms {command_s:>7.3f}s  {chosen:<12} {ok}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print("search/cpu/estimates: the search of the whole space (wall and CPU median); +relax: CPU time of the "
+          "whole plan() including the 'what would fit' re-searches run when nothing fits; "
+          f"load average {load:.1f} on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()

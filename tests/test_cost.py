@@ -1,0 +1,147 @@
+"""The cost model: each term's direction and magnitude, from the formulas the docstring states."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vramplan import Setup, cost, load_gpu, load_model
+from vramplan.specs import GpuSpec
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("llama-3.1-8b")
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_gpu("h100-sxm")
+
+
+def test_full_costs_6n_and_lora_4n_plus_adapters(llama):
+    n = cost.matmul_params(llama)
+    assert 7.0e9 < n < 8.1e9  # every Linear incl. the head; embeddings excluded
+    attn = cost.attention_flops_per_token(llama, Setup())
+    assert attn == 2 * 32 * 2048 * 4096
+    assert cost.train_flops_per_token(llama, Setup()) == pytest.approx(6 * n + 3 * attn)
+    lora = Setup(method="lora", lora_rank=16)
+    n_lora = cost.adapter_params(llama, lora)
+    assert 3e7 < n_lora < 6e7
+    assert cost.train_flops_per_token(llama, lora) == pytest.approx(4 * n + 6 * n_lora + 3 * attn)
+
+
+def test_moe_counts_only_the_routed_experts():
+    moe = load_model("qwen3-30b-a3b")
+    active = cost.matmul_params(moe)
+    assert 2.5e9 < active < 4e9  # "A3B": about 3 B active of 30 B
+    assert active < moe.params_total / 5
+
+
+def test_compute_time_is_flops_over_rate(llama, h100):
+    s = Setup(batch=4)
+    c = cost.step_cost(llama, s, h100)
+    rate = h100.bf16_tflops_dense * 1e12 * cost.MFU * cost.batch_efficiency(s.tokens)
+    assert c.compute_s == pytest.approx(s.tokens * cost.train_flops_per_token(llama, s) / rate)
+    # H100, 8B full fine-tune: thousands of tokens/s per GPU, not hundreds or a hundred thousand
+    assert 3000 < c.tokens_per_s < 15000
+
+
+def test_checkpointing_adds_one_forward(llama, h100):
+    plain = cost.step_cost(llama, Setup(batch=2), h100)
+    ckpt = cost.step_cost(llama, Setup(batch=2, checkpointing=True), h100)
+    assert plain.recompute_s == 0
+    # forward is a third of forward + backward for full fine-tuning
+    assert ckpt.recompute_s == pytest.approx(plain.compute_s / 3, rel=0.01)
+    assert ckpt.tokens_per_s < plain.tokens_per_s
+
+
+def test_bigger_micro_batches_are_faster_per_token(llama, h100):
+    tps = [cost.tokens_per_s(llama, Setup(method="lora", batch=b, seq=512), h100) for b in (1, 2, 4, 8)]
+    assert tps == sorted(tps) and tps[-1] > 1.2 * tps[0]
+
+
+def test_quantized_base_pays_dequantization(llama, h100):
+    lora = cost.step_cost(llama, Setup(method="lora"), h100)
+    qlora = cost.step_cost(llama, Setup(method="qlora"), h100)
+    assert lora.dequant_s == 0
+    quantized = sum(l.count * l.weight_params for l in llama.linears if l.role != "head")
+    expected = 2 * quantized * cost.DEQUANT_BYTES_PER_PARAM["nf4"] / (
+        h100.memory_bandwidth_gbps * 1e9 * cost.DEQUANT_BW_EFFICIENCY)
+    assert qlora.dequant_s == pytest.approx(expected)
+    assert qlora.tokens_per_s < lora.tokens_per_s
+    ckpt = cost.step_cost(llama, Setup(method="qlora", checkpointing=True), h100)
+    assert ckpt.dequant_s == pytest.approx(1.5 * qlora.dequant_s)  # the recompute dequantizes again
+
+
+def test_optimizer_offload_goes_over_the_host_link(llama, h100):
+    on_gpu = cost.step_cost(llama, Setup(), h100)
+    off = Setup(zero_stage=2, offload_optimizer="cpu")
+    offloaded = cost.step_cost(llama, off, h100)
+    n = llama.params_total
+    expected = 2 * n * 2 / (h100.host_link_gbps * 1e9) + n / cost.CPU_ADAM_PARAMS_PER_S
+    assert offloaded.optimizer_s == pytest.approx(expected)
+    assert offloaded.optimizer_s > 10 * on_gpu.optimizer_s
+    faster_link = dataclasses.replace(h100, host_link_gbps=h100.host_link_gbps * 4)
+    assert cost.step_cost(llama, off, faster_link).optimizer_s < offloaded.optimizer_s
+    nvme = cost.step_cost(llama, Setup(zero_stage=2, offload_optimizer="nvme"), h100)
+    assert nvme.optimizer_s > offloaded.optimizer_s
+
+
+def test_parameter_offload_moves_the_weights_every_pass(llama, h100):
+    s = Setup(zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    c = cost.step_cost(llama, s, h100)
+    weights = llama.params_total * 2
+    assert c.offload_s == pytest.approx(2 * weights / (h100.host_link_gbps * 1e9), rel=0.01)
+    ckpt = cost.step_cost(llama, s.replace(checkpointing=True), h100)
+    assert ckpt.offload_s == pytest.approx(1.5 * c.offload_s)
+
+
+def test_zero_communication_by_stage(llama, h100):
+    one = cost.step_cost(llama, Setup(gpus=1), h100)
+    assert one.comm_s == 0
+    comm = {z: cost.step_cost(llama, Setup(gpus=8, zero_stage=z, grad_accum=4), h100).comm_s for z in (0, 1, 2, 3)}
+    grads = llama.params_total * 2
+    ring = 7 / 8
+    bw = h100.interconnect_gbps * 1e9
+    # DDP: one all-reduce of the gradients per optimizer step (no_sync while accumulating)
+    assert comm[0] == pytest.approx(2 * ring * grads / bw * (1 - cost.COMM_OVERLAP))
+    assert comm[0] == comm[1]
+    assert comm[2] > comm[1]  # reduce-scatter every micro-step
+    assert comm[3] > 2 * comm[2]  # + all-gathers of the weights in forward and backward
+    two_nodes = cost.step_cost(llama, Setup(gpus=16, zero_stage=3, grad_accum=4), h100, nodes=2)
+    one_node = cost.step_cost(llama, Setup(gpus=16, zero_stage=3, grad_accum=4), h100, nodes=1)
+    assert two_nodes.comm_s > one_node.comm_s  # the network is slower than NVLink
+
+
+def test_eight_bit_optimizer_moves_fewer_bytes_but_runs_slower_per_byte(llama, h100):
+    fused = cost.step_cost(llama, Setup(optimizer="adamw-fused"), h100).optimizer_s
+    eight = cost.step_cost(llama, Setup(optimizer="adamw-8bit"), h100).optimizer_s
+    n = llama.params_total
+    bw = h100.memory_bandwidth_gbps * 1e9 * cost.OPTIMIZER_BW_EFFICIENCY
+    assert fused == pytest.approx(n * (3 * 2 + 2 * 2 * 2) / bw)
+    assert eight == pytest.approx(n * (3 * 2 + 2 * 2 * (1 + 4 / 256)) / bw * cost.EIGHT_BIT_OPTIMIZER_SLOWDOWN)
+    foreach = cost.step_cost(llama, Setup(optimizer="adamw"), h100).optimizer_s
+    assert foreach > fused  # the extra state-sized list
+
+
+def test_grad_accumulation_amortises_the_optimizer(llama, h100):
+    one = cost.step_cost(llama, Setup(grad_accum=1), h100)
+    eight = cost.step_cost(llama, Setup(grad_accum=8), h100)
+    assert eight.compute_s == pytest.approx(8 * one.compute_s)
+    assert eight.optimizer_s == one.optimizer_s
+    assert eight.tokens_per_step == 8 * one.tokens_per_step
+    assert eight.tokens_per_s > one.tokens_per_s
+
+
+def test_custom_gpu_uses_stated_defaults(llama):
+    c = cost.step_cost(llama, Setup(), GpuSpec.custom(80 * 2**30))
+    rate = cost.DEFAULT_TFLOPS * 1e12 * cost.MFU * cost.batch_efficiency(2048)
+    assert c.compute_s == pytest.approx(2048 * cost.train_flops_per_token(llama, Setup()) / rate)
+
+
+def test_fp32_runs_at_tf32_rate(llama, h100):
+    bf16 = cost.step_cost(llama, Setup(precision="bf16"), h100).compute_s
+    fp32 = cost.step_cost(llama, Setup(precision="fp32"), h100).compute_s
+    assert fp32 == pytest.approx(bf16 / cost.FP32_RATE)
