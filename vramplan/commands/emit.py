@@ -1,1 +1,35 @@
-"""`vramplan emit` (see the module docstring once implemented)."""
+"""`vramplan emit`: the files that launch a plan (DeepSpeed JSON, Accelerate YAML, train.py).
+
+The emitters are pure functions in :mod:`vramplan.emit`; this module reads the plan file, writes
+the directory through :func:`vramplan.emit.emit_to_dir` and prints what it wrote. No torch.
+"""
+
+from __future__ import annotations
+
+import click
+
+from ..cli import _user_errors, main
+
+
+@main.command()
+@click.argument("plan_file", metavar="PLAN")
+@click.option("--format", "formats", default=None, metavar="LIST",
+              help="Comma-separated: deepspeed, accelerate, trainer  [default: all the plan uses; "
+                   "deepspeed only with ZeRO]")
+@click.option("--out", "out_dir", required=True, metavar="DIR", help="Directory to write (created; must be empty).")
+@click.option("--force", is_flag=True, help="Overwrite the files in an existing, non-empty DIR.")
+@_user_errors
+def emit(plan_file: str, formats: str | None, out_dir: str, force: bool) -> None:
+    """Write ready-to-run files for the plan in PLAN (a plan file from `vramplan plan`).
+
+    `--format trainer` writes train.py, launch.sh, the model's config.json (random weights, no
+    download), vramplan.json (the plan and its estimate) and the configs its launch command reads.
+    """
+    from ..emit import emit_to_dir, launch_command, parse_formats
+    from ..planfile import load_plan
+
+    plan = load_plan(plan_file)
+    paths = emit_to_dir(plan, out_dir, parse_formats(formats) if formats is not None else None, force=force)
+    for path in paths:
+        click.echo(str(path))
+    click.echo(f"run: cd {out_dir} && {launch_command(plan)}", err=True)

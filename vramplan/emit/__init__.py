@@ -1,1 +1,98 @@
-"""Emitters: pure functions from a Plan to the files a user launches (no I/O inside)."""
+"""Emitters: the files a user launches a plan with, as pure functions of the Plan.
+
+- :func:`deepspeed_config` (``ds_config.json``), :func:`accelerate_config`
+  (``accelerate_config.yaml``), :func:`train_script` (``train.py``), :func:`launch_command`;
+- :func:`render` maps file names to their text for a set of formats (no I/O);
+- :func:`emit_to_dir` is the only function that writes: atomically, file by file, and never into
+  an existing non-empty directory unless ``force``.
+
+Formats: ``deepspeed``, ``accelerate``, ``trainer``. ``trainer`` writes train.py, launch.sh,
+vramplan.json (the plan and the estimate it was made from), the model's config.json, and the config
+files its launch command reads (ds_config.json for ZeRO plans, accelerate_config.yaml, the
+hostfile of a multi-node DeepSpeed plan), so that the emitted directory runs as its header says.
+Without an explicit list, ``deepspeed`` is emitted only for plans that use ZeRO.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..specs import Plan, SpecError
+from .accelerate import accelerate_config
+from .common import (ACCELERATE_CONFIG, DS_CONFIG, HOSTFILE, LAUNCH_SCRIPT, MODEL_CONFIG, PLAN_FILE, TRAIN_SCRIPT,
+                     launch_command, launch_commands, plan_model, uses_deepspeed)
+from .deepspeed import deepspeed_config
+from .trainer import hostfile, launch_script, train_script
+
+FORMATS = ("deepspeed", "accelerate", "trainer")
+
+__all__ = ["FORMATS", "accelerate_config", "deepspeed_config", "default_formats", "emit_to_dir", "launch_command",
+           "launch_commands", "parse_formats", "render", "train_script"]
+
+
+def default_formats(plan: Plan) -> tuple[str, ...]:
+    """Every format the plan uses: DeepSpeed only with ZeRO."""
+    return FORMATS if uses_deepspeed(plan) else ("accelerate", "trainer")
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``"deepspeed,trainer"`` -> ("deepspeed", "trainer"); unknown names are a SpecError."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise SpecError(f"unknown format {unknown[0] if unknown else text!r}; use a comma-separated list of "
+                        f"{', '.join(FORMATS)}")
+    return names
+
+
+def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None) -> dict[str, str]:
+    """File name -> text for ``formats`` (default: :func:`default_formats`). Pure: no I/O beyond
+    reading the shipped template and the model's config, and the plan is not touched."""
+    from . import accelerate as acc
+    from . import deepspeed as ds
+    from ..planfile import dumps_plan
+
+    formats = default_formats(plan) if formats is None else tuple(formats)
+    for name in formats:
+        if name not in FORMATS:
+            raise SpecError(f"unknown format {name!r}; use {', '.join(FORMATS)}")
+    model = plan_model(plan)
+    files: dict[str, str] = {}
+    if "deepspeed" in formats or ("trainer" in formats and uses_deepspeed(plan)):
+        files[DS_CONFIG] = ds.dumps(deepspeed_config(plan, model=model))
+    if "accelerate" in formats or "trainer" in formats:
+        files[ACCELERATE_CONFIG] = acc.dumps(plan, accelerate_config(plan))
+    if "trainer" in formats:
+        files[TRAIN_SCRIPT] = train_script(plan)
+        files[LAUNCH_SCRIPT] = launch_script(plan)
+        if plan.nodes > 1 and uses_deepspeed(plan):
+            files[HOSTFILE] = hostfile(plan)
+        files[MODEL_CONFIG] = json.dumps(model.config, indent=2) + "\n"
+    files[PLAN_FILE] = dumps_plan(plan)
+    return files
+
+
+def emit_to_dir(plan: Plan, out_dir: str | os.PathLike, formats: tuple[str, ...] | list[str] | None = None,
+                force: bool = False) -> list[Path]:
+    """Write the files of ``formats`` into ``out_dir``; return their paths.
+
+    An existing non-empty ``out_dir`` is refused (one-line SpecError) unless ``force``; with
+    ``force`` the files are replaced one by one and other files there are left alone.
+    """
+    from ..fileio import atomic_write_text
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise SpecError(f"{out} exists and is not empty; pass --force to overwrite its files")
+    files = render(plan, formats)
+    paths = []
+    for name, text in files.items():
+        path = atomic_write_text(out / name, text)
+        if name in (LAUNCH_SCRIPT, TRAIN_SCRIPT):
+            path.chmod(path.stat().st_mode | 0o111)
+        paths.append(path)
+    return paths

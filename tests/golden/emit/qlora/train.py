@@ -1,0 +1,352 @@
+#!/usr/bin/env python
+# vramplan plan for meta-llama/Llama-3.1-8B on 1 GPU
+# qlora r=64 alpha=128 on q_proj,v_proj · nf4 base (double quant) · bf16 · paged-adamw-8bit · batch 1 x seq 2048 · checkpointing
+# estimate: 34.00 GiB per GPU (device total; peak allocated 31.00 GiB, tensor peak 30.00 GiB) on NVIDIA A100 80GB SXM4 (80.00 GiB usable): fits; ~1,000 tokens/s
+# run (from this directory): python train.py
+#        or: accelerate launch --config_file accelerate_config.yaml train.py
+# random weights from config.json; real weights: add --model meta-llama/Llama-3.1-8B
+# the plan and the estimate it was made from: vramplan.json
+"""Fine-tune the planned model with the Hugging Face Trainer, exactly as the plan in PLAN says.
+
+The model is built from config.json (next to this file) with random weights: nothing is
+downloaded, so the memory of the plan can be checked before any real run. ``--model ID_OR_PATH``
+loads real weights instead. The dataset is random tokens unless ``--dataset`` names a local
+.jsonl/.json file (rows with "input_ids" or a text field), a .txt file (one example per line) or a
+Hugging Face dataset id (needs the ``datasets`` package). Every sequence is ``--seq`` tokens long,
+so each step has the shape the plan was estimated for.
+
+Other code can import this file and reuse its pieces: ``parse_args(argv)``,
+``build_trainer(args, callbacks)`` (adds your TrainerCallbacks) and ``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, Trainer,
+                          TrainerCallback, TrainingArguments, default_data_collator)
+
+HERE = Path(__file__).resolve().parent
+
+# The plan (edit here to change what is trained; vramplan.json holds the plan and its estimate).
+PLAN = {
+    'model': 'meta-llama/Llama-3.1-8B',
+    'method': 'qlora',
+    'lora_r': 64,
+    'lora_alpha': 128,
+    'lora_dropout': 0.0,
+    'lora_targets': 'q_proj,v_proj',
+    'quant': 'nf4',
+    'double_quant': True,
+    'precision': 'bf16',
+    'optim': 'paged_adamw_8bit',
+    'lr': 0.0002,
+    'checkpointing': True,
+    'attn': 'auto',
+    'loss': 'hf',
+    'batch': 1,
+    'seq': 2048,
+    'grad_accum': 1,
+    'sharded': False,
+}
+
+#: Setup.precision -> dtype the weights are loaded in (the "-mixed" ones keep fp32 weights).
+LOAD_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(PLAN["precision"], torch.float32)
+COMPUTE_DTYPE = torch.float16 if PLAN["precision"].startswith("fp16") else torch.bfloat16
+#: transformers 5 renamed TrainingArguments.gradient_checkpointing to activation_checkpointing.
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                 else "gradient_checkpointing")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None,
+                   help=f"real weights: a Hub id or local path (e.g. {PLAN['model']}); default: random weights")
+    p.add_argument("--config", default=str(HERE), help="directory of the config.json for random weights")
+    p.add_argument("--dataset", default="synthetic",
+                   help="synthetic | a .jsonl/.json/.txt file | a Hugging Face dataset id")
+    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json/Hub rows")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for text data (default: --model)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="optimizer steps (default: 10 on synthetic data, else --epochs over the dataset)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--batch", type=int, default=PLAN["batch"], help="micro-batch per GPU")
+    p.add_argument("--seq", type=int, default=PLAN["seq"], help="tokens per sequence")
+    p.add_argument("--grad-accum", type=int, default=PLAN["grad_accum"])
+    p.add_argument("--lr", type=float, default=PLAN["lr"])
+    p.add_argument("--output-dir", default="output")
+    p.add_argument("--no-save", action="store_true", help="do not save the trained weights/adapter")
+    p.add_argument("--deepspeed", default=None, help="DeepSpeed config (ds_config.json)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (TrainingArguments.use_cpu)")
+    p.add_argument("--memory-report", default=None, metavar="PATH",
+                   help="write per-step peak memory, step time and tokens/s as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = p.parse_args(argv)
+    if args.max_steps is None:
+        args.max_steps = 10 if args.dataset == "synthetic" else -1
+    return args
+
+
+def _device(args: argparse.Namespace) -> str:
+    if args.cpu or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def _quantization_config() -> BitsAndBytesConfig | None:
+    if PLAN["quant"] == "none":
+        return None
+    if PLAN["quant"] == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=PLAN["quant"],
+                              bnb_4bit_use_double_quant=PLAN["double_quant"],
+                              bnb_4bit_compute_dtype=COMPUTE_DTYPE,
+                              # ZeRO-3/FSDP shard the packed 4-bit weights as tensors of this dtype
+                              bnb_4bit_quant_storage=LOAD_DTYPE if PLAN["sharded"] else torch.uint8)
+
+
+def random_checkpoint(args: argparse.Namespace, directory: str) -> str:
+    """Random weights from config.json saved as a checkpoint in ``directory`` (no download):
+    bitsandbytes quantizes weights while from_pretrained loads them, so a quantized base is
+    loaded from here (this needs the unquantized model's size in host RAM and temporary disk
+    once). Call it before the TrainingArguments: under ZeRO-3, a model created after them is
+    already partitioned and would be saved empty."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), dtype=LOAD_DTYPE)
+    model.save_pretrained(directory)
+    return directory
+
+
+def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torch.nn.Module:
+    """The model as the plan trains it: (quantized) base, k-bit preparation, LoRA adapters.
+
+    Weights come from ``checkpoint``, else ``--model``, else random from config.json. Under
+    ZeRO-3 create the TrainingArguments first (build_trainer does): transformers then partitions
+    the weights as they are created.
+    """
+    kwargs: dict = {"dtype": LOAD_DTYPE}
+    if PLAN["attn"] != "auto":
+        kwargs["attn_implementation"] = {"flash": "flash_attention_2"}.get(PLAN["attn"], PLAN["attn"])
+    quant = _quantization_config()
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        if not PLAN["sharded"]:  # ZeRO-3 and FSDP place the shards themselves
+            kwargs["device_map"] = {"": _device(args)}
+    source = checkpoint or args.model
+    if source:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    elif quant is None:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), **kwargs)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = AutoModelForCausalLM.from_pretrained(random_checkpoint(args, tmp), **kwargs)
+    if quant is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=PLAN["checkpointing"],
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    if PLAN["method"] in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        targets = PLAN["lora_targets"]
+        model = get_peft_model(model, LoraConfig(
+            r=PLAN["lora_r"], lora_alpha=PLAN["lora_alpha"], lora_dropout=PLAN["lora_dropout"],
+            target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM"))
+    return model
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Fixed-length rows: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
+
+    def __init__(self, rows: list[list[int]], seq: int, pad_id: int = 0):
+        self.rows, self.seq, self.pad_id = rows, seq, pad_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = list(self.rows[i][: self.seq])
+        pad = self.seq - len(ids)
+        return {"input_ids": ids + [self.pad_id] * pad, "attention_mask": [1] * len(ids) + [0] * pad,
+                "labels": ids + [-100] * pad}
+
+
+def _read_texts_or_ids(args: argparse.Namespace) -> list:
+    path = Path(args.dataset)
+    if path.suffix in (".jsonl", ".json", ".txt"):
+        if not path.is_file():
+            raise SystemExit(f"error: --dataset {args.dataset}: no such file")
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".txt":
+            return [line for line in text.splitlines() if line.strip()]
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" else json.loads(text)
+    else:
+        try:
+            import datasets
+        except ImportError:
+            raise SystemExit(f"error: --dataset {args.dataset}: not a local .jsonl/.json/.txt file, and loading "
+                             "a Hugging Face dataset needs the datasets package: pip install datasets") from None
+        rows = list(datasets.load_dataset(args.dataset, split="train"))
+    return [row["input_ids"] if "input_ids" in row else row[args.text_field] for row in rows]
+
+
+def build_dataset(args: argparse.Namespace, vocab_size: int, world_size: int) -> TokenRows:
+    """Random tokens (enough for ``--max-steps``), or the rows of ``--dataset``, ``--seq`` long."""
+    if args.dataset == "synthetic":
+        n = max(args.max_steps, 1) * args.batch * args.grad_accum * world_size
+        rng = random.Random(args.seed)
+        return TokenRows([[rng.randrange(vocab_size) for _ in range(args.seq)] for _ in range(n)], args.seq)
+    rows = _read_texts_or_ids(args)
+    if rows and isinstance(rows[0], str):
+        name = args.tokenizer or args.model
+        if not name:
+            raise SystemExit("error: text data needs a tokenizer: pass --tokenizer ID_OR_PATH (or --model)")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        rows = [tokenizer(text, truncation=True, max_length=args.seq)["input_ids"] for text in rows]
+        return TokenRows(rows, args.seq, tokenizer.pad_token_id or 0)
+    return TokenRows(rows, args.seq)
+
+
+def _qualname(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _innermost(optimizer):
+    """The optimizer that steps, inside accelerate's and DeepSpeed's wrappers."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class MemoryReport(TrainerCallback):
+    """Per optimizer step: peak CUDA memory since the step began (allocated and reserved), step
+    time, tokens/s, and the process's peak RSS; written as JSON when training ends. With several
+    processes each rank writes PATH with ``.rankN`` before its suffix."""
+
+    def __init__(self, path: str, tokens_per_step: int):
+        self.path, self.tokens_per_step, self.steps = Path(path), tokens_per_step, []
+        self.cuda = False
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.cuda = torch.cuda.is_available() and not args.use_cpu
+        params = list(model.parameters())
+        self.model_info = {
+            "optimizer": _qualname(_innermost(optimizer)),
+            # ZeRO-3 leaves each parameter empty here and records its size as ds_numel
+            "params_trainable": sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad),
+            "bnb_modules": sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()),
+            "zero3_partitioned_params": sum(hasattr(p, "ds_id") for p in params),
+            "deepspeed_zero_stage": (args.hf_deepspeed_config.config["zero_optimization"]["stage"]
+                                     if args.deepspeed else None),
+        }
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self.t0
+        row = {"step": state.global_step, "time_s": dt, "tokens_per_s": self.tokens_per_step / dt,
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.cuda:
+            row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            row["max_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        self.steps.append(row)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        path = self.path
+        if args.world_size > 1:
+            path = path.with_name(f"{path.stem}.rank{args.process_index}{path.suffix}")
+        report = {"device": "cuda" if self.cuda else "cpu", "rank": args.process_index,
+                  "world_size": args.world_size, "tokens_per_step": self.tokens_per_step, "plan": PLAN,
+                  **self.model_info, "steps": self.steps}
+        for key in ("max_memory_allocated_bytes", "max_memory_reserved_bytes", "peak_rss_bytes"):
+            if self.steps and key in self.steps[0]:
+                report[key] = max(row[key] for row in self.steps)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)  # atomic: a reader never sees half a report
+
+
+def build_trainer(args: argparse.Namespace, callbacks=()) -> Trainer:
+    """TrainingArguments, then the model (ZeRO-3 needs that order), the data and the Trainer."""
+    if args.deepspeed:
+        _init_deepspeed()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = random_checkpoint(args, tmp) if PLAN["quant"] != "none" and not args.model else None
+        training_args = _training_arguments(args)
+        model = build_model(args, checkpoint)
+    dataset = build_dataset(args, model.config.vocab_size, training_args.world_size)
+    callbacks = list(callbacks)
+    if args.memory_report:
+        tokens = args.batch * args.seq * args.grad_accum * training_args.world_size
+        callbacks.append(MemoryReport(args.memory_report, tokens))
+    return Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator,
+                   callbacks=callbacks)
+
+
+def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        optim=PLAN["optim"],
+        bf16=PLAN["precision"].startswith("bf16"),
+        # pure fp16 weights cannot take the Trainer's loss scaling; DeepSpeed's fp16 engine can
+        fp16=PLAN["precision"] == "fp16-mixed" or (PLAN["precision"] == "fp16" and bool(args.deepspeed)),
+        **{CHECKPOINTING: PLAN["checkpointing"], f"{CHECKPOINTING}_kwargs": {"use_reentrant": False}},
+        use_liger_kernel=PLAN["loss"] == "chunked",  # a fused, chunked loss (pip install liger-kernel)
+        deepspeed=args.deepspeed,
+        use_cpu=args.cpu,
+        seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        remove_unused_columns=False,
+        dataloader_drop_last=True,
+    )
+
+
+def _init_deepspeed() -> None:
+    """Start DeepSpeed's process group before anything reads a DeepSpeed config: under ZeRO-3 the
+    model is created inside ``zero.Init``, which takes the world size from it (the Trainer starts
+    it itself only on GPUs). Without a launcher (``python train.py --deepspeed ...``): one process
+    on a free local port."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trainer = build_trainer(args)
+    trainer.train()
+    if not args.no_save:
+        trainer.save_model(args.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

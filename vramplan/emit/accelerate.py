@@ -1,0 +1,68 @@
+"""Accelerate config (``accelerate_config.yaml``, for ``accelerate launch --config_file``).
+
+The distributed type follows the plan: DEEPSPEED for ZeRO (the plugin points at ds_config.json,
+which then owns precision, clipping and accumulation: accelerate refuses the same settings in
+both files), FSDP when the Setup shards with FSDP, MULTI_GPU for plain data parallelism over
+several GPUs, NO for one GPU. Multi-node plans give the node count and port; each node passes its
+own ``--machine_rank`` and node 0's ``--main_process_ip`` on the command line.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from ..specs import Plan
+from .common import DS_CONFIG, FSDP_STRATEGIES, MAIN_PORT, comment, fsdp_mode, header_lines
+
+#: Setup.precision -> accelerate's mixed_precision (pure bf16 weights run with bf16 autocast, as
+#: the Trainer does for them).
+_MIXED_PRECISION = {"bf16": "bf16", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
+
+
+def accelerate_config(plan: Plan) -> dict:
+    """The Accelerate config mapping for ``plan`` (a new dict; the plan is not touched)."""
+    s = plan.setup
+    fsdp = fsdp_mode(plan)
+    cfg: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
+    if s.zero_stage:
+        cfg["distributed_type"] = "DEEPSPEED"
+        ds: dict = {"deepspeed_config_file": DS_CONFIG, "zero3_init_flag": s.zero_stage == 3}
+        if plan.nodes > 1:
+            ds["deepspeed_multinode_launcher"] = "standard"
+        cfg["deepspeed_config"] = ds
+    elif fsdp != "none":
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = {
+            "fsdp_version": 1,
+            "fsdp_sharding_strategy": FSDP_STRATEGIES[fsdp],
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_backward_prefetch": "BACKWARD_PRE",
+            "fsdp_offload_params": s.offload_params == "cpu",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_sync_module_states": True,
+            "fsdp_use_orig_params": True,
+        }
+        cfg["mixed_precision"] = _MIXED_PRECISION[s.precision]
+    else:
+        cfg["distributed_type"] = "MULTI_GPU" if s.gpus > 1 else "NO"
+        cfg["mixed_precision"] = _MIXED_PRECISION[s.precision]
+    cfg.update(
+        downcast_bf16="no",
+        machine_rank=0,
+        num_machines=plan.nodes,
+        num_processes=s.gpus,
+        gpu_ids="all",
+        main_training_function="main",
+        rdzv_backend="static",
+        same_network=True,
+        use_cpu=False,
+    )
+    if plan.nodes > 1:
+        cfg["main_process_port"] = MAIN_PORT
+    return cfg
+
+
+def dumps(plan: Plan, config: dict) -> str:
+    """The YAML text: the header as comments, then the mapping."""
+    return comment(header_lines(plan)) + yaml.safe_dump(config, sort_keys=False, width=100)

@@ -1,0 +1,95 @@
+"""The runnable script (``train.py``), its launcher (``launch.sh``) and, for multi-node DeepSpeed,
+the ``hostfile``.
+
+train.py is the template ``templates/train.py.tmpl`` with two things filled in: the header and the
+``PLAN`` mapping (method, LoRA, quantization, precision, the Trainer's optimizer name,
+checkpointing, attention, shape). Everything else in it is fixed code, so a plan changes only data.
+"""
+
+from __future__ import annotations
+
+import shlex
+from importlib import resources
+
+from ..specs import Plan
+from .common import (MODEL_CONFIG, comment, default_lr, header_lines, launch_commands,
+                     plan_model, uses_deepspeed)
+
+#: vramplan optimizer -> TrainingArguments.optim (transformers' OptimizerNames).
+TRAINER_OPTIM = {
+    "adamw": "adamw_torch",
+    "adamw-fused": "adamw_torch_fused",
+    "adamw-8bit": "adamw_bnb_8bit",
+    "paged-adamw-8bit": "paged_adamw_8bit",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+    "lion": "lion_32bit",
+}
+
+
+def _hub_id(plan: Plan) -> str | None:
+    """The model's Hub id when the plan names one (what ``--model`` would load real weights from)."""
+    model = plan_model(plan)
+    if model.source.startswith(("profile:", "hub:")):
+        return model.name
+    return None
+
+
+def script_plan(plan: Plan) -> dict:
+    """The ``PLAN`` mapping train.py reads: the Setup in the words of transformers/peft (LoRA and
+    quantization keys only where the plan uses them)."""
+    s = plan.setup
+    data: dict = {"model": _hub_id(plan) or "ID_OR_PATH", "method": s.method}
+    if s.adapters:
+        data.update(lora_r=s.lora_rank, lora_alpha=s.alpha, lora_dropout=s.lora_dropout, lora_targets=s.lora_targets)
+    data["quant"] = s.quant
+    if s.quant != "none":
+        data["double_quant"] = s.double_quant
+    data.update(
+        precision=s.precision,
+        optim=TRAINER_OPTIM[s.optimizer],
+        lr=default_lr(s),
+        checkpointing=s.checkpointing,
+        attn=s.attn,
+        loss=s.loss,
+        batch=s.batch,
+        seq=s.seq,
+        grad_accum=s.grad_accum,
+        # parameters partitioned across GPUs (ZeRO-3, FSDP): 4-bit weights are stored in bf16 then
+        sharded=s.zero_stage == 3 or getattr(s, "fsdp", "none") not in ("none", None),
+    )
+    return data
+
+
+def train_script(plan: Plan) -> str:
+    """The text of train.py for ``plan``."""
+    template = (resources.files("vramplan.emit") / "templates" / "train.py.tmpl").read_text(encoding="utf-8")
+    real = _hub_id(plan) or "ID_OR_PATH"
+    header = comment(header_lines(plan, runs=f"random weights from {MODEL_CONFIG}; real weights: add --model {real}"))
+    body = "{\n" + "".join(f"    {key!r}: {value!r},\n" for key, value in script_plan(plan).items()) + "}"
+    return template.replace("__HEADER__\n", header).replace("__PLAN__", body)
+
+
+def launch_script(plan: Plan) -> str:
+    """launch.sh: runs the plan's preferred command from the emitted directory, passing on its
+    arguments (``./launch.sh --max-steps 100``)."""
+    lines = ["#!/usr/bin/env bash", *comment(header_lines(plan)).splitlines(), "set -euo pipefail",
+             'cd "$(dirname "$0")"']
+    if plan.nodes > 1:
+        lines.append(': "${MAIN_IP:?set MAIN_IP to the address of node 0}"')
+        if not uses_deepspeed(plan):
+            lines.append(f': "${{NODE_RANK:?set NODE_RANK to this node\'s rank, 0 to {plan.nodes - 1}}}"')
+    lines.append(f'exec {launch_commands(plan)[0]} "$@"')
+    return "\n".join(lines) + "\n"
+
+
+def hostfile(plan: Plan) -> str:
+    """DeepSpeed's hostfile for a multi-node plan: one line per node (replace the host names)."""
+    lines = comment(["one line per node: host name (as ssh reaches it) and its GPUs; replace the names"])
+    return lines + "".join(f"node-{i} slots={plan.gpus_per_node}\n" for i in range(plan.nodes))
+
+
+def train_command(plan: Plan, *extra: str) -> list[str]:
+    """The preferred launch command as an argument list (for running it from Python)."""
+    return shlex.split(launch_commands(plan)[0]) + list(extra)
+
