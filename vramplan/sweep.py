@@ -1,0 +1,241 @@
+"""Sweeps: a matrix of measurements, the most informative first, within a time budget.
+
+A matrix is YAML (``calibration/gpu-sweep.yaml`` is the shipped one)::
+
+    device: cuda            # or cpu
+    steps: 3
+    timeout: 120            # seconds per run
+    defaults: {seq: 1024}   # setup keys every run starts from
+    runs:
+      - {name: llama1b-lora, model: llama-3.2-1b, setup: {method: lora}}
+      - {name: llama8b-qlora-4090, model: llama-3.1-8b, setup: {method: qlora}, emulate_gpu: rtx-4090}
+      - {name: tiny-zero2, model: llama-3.2-1b, scale_down: true, setup: {zero_stage: 2}}
+
+Order (:func:`order`): greedily, the run that adds the most setup features not yet covered
+(method, quantization, optimizer, checkpointing, ZeRO stage and offload, emulated card, model,
+shape) per unit of its expected cost (:attr:`Run.cost`), ties broken by the smaller estimated
+memory; runs estimated within 10 % of an emulated card's limit get a bonus, since they test the
+fit verdict itself. Runs whose key is
+already in the records directory are skipped, so a sweep cut short by its budget resumes where
+it stopped. No torch here: each run is :func:`vramplan.measure.measure_plan` (a fresh process).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .specs import Setup, SpecError
+
+#: Seconds the first run of a sweep needs at least (imports, model, a few steps).
+MIN_RUN_S = 10.0
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)?\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"8m"``, ``"1.5h"`` or a number of seconds -> seconds."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise SpecError(f"--budget: cannot read {text!r}; write e.g. 90s, 8m or 1h")
+    unit = (m.group(2) or "s").lower()[0]
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    model: str
+    setup: Setup
+    emulate_gpu: str | None = None
+    scale_down: bool = False
+    estimate_bytes: int = 0
+    near_limit: bool = False
+    params: int = 0
+    score: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """Relative seconds: the model is built on the CPU (per billion parameters), QLoRA saves
+        and reloads it, DeepSpeed's CPU Adam may compile on first use."""
+        s = self.setup
+        return (1.0 + self.params / 1e9 + (1.0 if s.quant != "none" else 0.0)
+                + (2.0 if "cpu" in (s.offload_optimizer, s.offload_params) else 0.0))
+
+    def features(self) -> set[str]:
+        s = self.setup
+        return {f"method={s.method}", f"quant={s.quant}", f"optimizer={s.optimizer}",
+                f"checkpointing={s.checkpointing}", f"zero={s.zero_stage}", f"offload={s.offload_optimizer}",
+                f"offload_params={s.offload_params}", f"card={self.emulate_gpu}", f"model={self.model}",
+                f"batch={s.batch}", f"seq={s.seq}", f"precision={s.precision}", f"gpus={s.gpus}"}
+
+    def key(self, spec: Matrix) -> str:
+        from .measure import DEFAULT_SCALE, measurement_key
+
+        return measurement_key(self.model, self.setup, spec.device, self.emulate_gpu,
+                               dict(DEFAULT_SCALE) if self.scale_down else None, spec.hardware)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    device: str
+    steps: int
+    timeout_s: float
+    runs: tuple[Run, ...]
+    hardware: str = ""  # what the records key on: the GPU's name (nvidia-smi) or "cpu"
+    path: str = ""
+
+
+def load_matrix(path: str, device: str | None = None) -> Matrix:
+    """Read and check a matrix file; every run's setup is validated and estimated (no torch)."""
+    import yaml
+
+    from .estimator import estimate
+    from .measure import cuda_hardware
+    from .profiles import load_gpu, load_model
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such matrix file") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise SpecError(f"{path}: cannot read matrix ({' '.join(str(exc).split())})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
+        raise SpecError(f"{path}: a matrix is a mapping with a non-empty 'runs' list")
+    device = device or data.get("device", "cuda")
+    if device not in ("cuda", "cpu"):
+        raise SpecError(f"{path}: device must be cuda or cpu; got {device!r}")
+    defaults = data.get("defaults") or {}
+    runs, names = [], set()
+    for i, entry in enumerate(data["runs"]):
+        where = f"{path}: runs[{i}]"
+        if not isinstance(entry, dict) or "model" not in entry:
+            raise SpecError(f"{where} needs a 'model'")
+        name = str(entry.get("name") or f"run{i}")
+        if name in names:
+            raise SpecError(f"{where}: duplicate name {name!r}")
+        names.add(name)
+        try:
+            setup = Setup.from_dict({**defaults, **(entry.get("setup") or {})})
+        except (SpecError, TypeError) as exc:
+            raise SpecError(f"{where} ({name}): {exc}") from None
+        emulate = entry.get("emulate_gpu")
+        gpu = load_gpu(emulate) if emulate else None
+        if emulate and device != "cuda":
+            raise SpecError(f"{where} ({name}): emulate_gpu needs device cuda")
+        spec = load_model(entry["model"])
+        bd = estimate(spec, setup, gpu)
+        near = gpu is not None and abs(bd.device_total_bytes / gpu.usable_memory_bytes - 1) < 0.10
+        runs.append(Run(name=name, model=str(entry["model"]), setup=setup, emulate_gpu=emulate,
+                        scale_down=bool(entry.get("scale_down", False)), estimate_bytes=bd.device_total_bytes,
+                        near_limit=near, params=0 if entry.get("scale_down") else spec.params_total))
+    hardware = "cpu" if device == "cpu" else cuda_hardware()
+    return Matrix(device=device, steps=int(data.get("steps", 3)), timeout_s=float(data.get("timeout", 600)),
+                  runs=tuple(runs), hardware=hardware, path=str(path))
+
+
+def order(runs: tuple[Run, ...] | list[Run]) -> list[Run]:
+    """Most informative first (see the module docstring); each run carries its ``score``."""
+    left = list(runs)
+    covered: set[str] = set()
+    out = []
+    while left:
+        def value(r: Run, covered: set[str] = covered) -> tuple[float, int]:
+            return ((len(r.features() - covered) + (2 if r.near_limit else 0)) / r.cost, -r.estimate_bytes)
+
+        best = max(left, key=value)
+        left.remove(best)
+        out.append(replace(best, score=float(value(best)[0])))
+        covered |= best.features()
+    return out
+
+
+def recorded_keys(records_dir: str) -> set[str]:
+    from .measure import read_records
+
+    return {r.get("key") for r in read_records(records_dir) if not (r.get("measured") or {}).get("failed")}
+
+
+def run_sweep(spec: Matrix, runs: list[Run], budget_s: float, records_dir: str,
+              progress: bool = True) -> dict[str, Any]:
+    """Measure ``runs`` in order until the budget would be passed; append each record. A run
+    starts only if the time left covers the slowest run so far (:data:`MIN_RUN_S` before any),
+    and its timeout never reaches past the budget."""
+    from . import measure as m
+    from .estimator import estimate
+    from .profiles import load_gpu, load_model
+    from .specs import Plan
+
+    t0 = time.monotonic()
+    summary: dict[str, Any] = {"measured": 0, "oom": 0, "failed": 0, "left": 0, "runs": []}
+    slowest = 0.0
+    bar = _Progress(len(runs), enabled=progress)
+    with bar:
+        for i, run in enumerate(runs):
+            left_s = budget_s - (time.monotonic() - t0)
+            need = slowest or MIN_RUN_S
+            if left_s < need:
+                summary["left"] = len(runs) - i
+                break
+            bar.describe(run.name)
+            gpu = load_gpu(run.emulate_gpu) if run.emulate_gpu else None
+            options = m.MeasureOptions(device=spec.device, steps=spec.steps, emulate_gpu=gpu,
+                                       timeout_s=max(1.0, min(spec.timeout_s, left_s)))
+            started = time.monotonic()
+            with tempfile.TemporaryDirectory(prefix="vramplan-sweep-") as tmp:
+                model = m.scaled_model_path(run.model, dict(m.DEFAULT_SCALE), tmp) if run.scale_down else run.model
+                plan = Plan(model=model, setup=run.setup, breakdown=estimate(load_model(model), run.setup, gpu), gpu=gpu)
+                result = m.measure_plan(plan, options, model_ref=run.model,
+                                        scale=dict(m.DEFAULT_SCALE) if run.scale_down else None)
+            m.save(result, records_dir)
+            slowest = max(slowest, time.monotonic() - started)
+            got = result.measured
+            summary["measured"] += 1
+            summary["oom"] += bool(got.get("oom"))
+            summary["failed"] += bool(got.get("failed"))
+            summary["runs"].append({"name": run.name, "oom": bool(got.get("oom")), "failed": bool(got.get("failed")),
+                                    "seconds": round(time.monotonic() - started, 1),
+                                    "comparison": m.comparison(result)})
+            bar.advance()
+    summary["seconds"] = time.monotonic() - t0
+    return summary
+
+
+class _Progress:
+    """A rich progress bar on stderr (nothing when disabled)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self._bar, self._task = total, enabled, None, None
+
+    def __enter__(self) -> _Progress:  # noqa: PYI034 - Self needs Python 3.11
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=Console(stderr=True))
+            self._bar.__enter__()
+            self._task = self._bar.add_task("sweep", total=self.total)
+        return self
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
