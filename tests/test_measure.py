@@ -44,10 +44,6 @@ SETUPS = {
 #: Terms the estimate of the canonical step does not have and the emitted train.py adds
 #: (measured in these runs; see the report of issue 6). The tolerance stays 5 %.
 KNOWN_GAPS = {
-    "lora": "the emitted Trainer sets bf16=True for pure-bf16 plans, so the forward runs under autocast: peft's "
-            "fp32 adapters compute on bf16 copies (measured -1.04 MB; without autocast the same run is within 1 %)",
-    "qlora": "autocast (bf16=True) casts what prepare_model_for_kbit_training upcast to fp32 (its cast cache holds a "
-             "bf16 lm_head, vocab x hidden x 2 bytes): forward +2.85 MB, peak +1.78 MB; without autocast within 1 %",
     "zero2": "DeepSpeed's optimizer step (engine.step) holds 2 bytes/param more than the estimate's optimizer phase "
              "(measured 70.81 MB vs 64.91 MB; forward and backward agree within 0.3 %): a bf16 gradient copy",
     "zero2-2ranks": "as ZeRO-2 at one rank, divided by the ranks: +2.95 MB in DeepSpeed's optimizer step",

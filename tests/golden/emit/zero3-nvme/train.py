@@ -303,8 +303,10 @@ def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         optim=PLAN["optim"],
-        bf16=PLAN["precision"].startswith("bf16"),
-        # pure fp16 weights cannot take the Trainer's loss scaling; DeepSpeed's fp16 engine can
+        # "bf16"/"fp16": weights loaded in that dtype and no autocast, the step vramplan estimated;
+        # "-mixed": fp32 weights under autocast. DeepSpeed runs its own half-precision engine,
+        # whose flag must match ds_config.json.
+        bf16=PLAN["precision"] == "bf16-mixed" or (PLAN["precision"] == "bf16" and bool(args.deepspeed)),
         fp16=PLAN["precision"] == "fp16-mixed" or (PLAN["precision"] == "fp16" and bool(args.deepspeed)),
         **{CHECKPOINTING: PLAN["checkpointing"], f"{CHECKPOINTING}_kwargs": {"use_reentrant": False}},
         use_liger_kernel=PLAN["loss"] == "chunked",  # a fused, chunked loss (pip install liger-kernel)
