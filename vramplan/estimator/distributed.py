@@ -1,31 +1,228 @@
 """DeepSpeed ZeRO settings shared by the estimator (memory of its buffers) and the emitter (the
 values written into ds_config.json), so that what is estimated is what is launched.
 
-``zero_config`` returns the ``zero_optimization`` numbers vramplan chooses for a plan. The values
-start as DeepSpeed's own defaults (deepspeed/runtime/zero/config.py) and are refined by the ZeRO
-accuracy work (issue 3); callers must not hard-code them elsewhere.
+``zero_config`` returns the ``zero_optimization`` numbers vramplan chooses for a plan; callers
+must not hard-code them elsewhere. The sizes follow what the HF Trainer / accelerate fill in for
+``"auto"`` (transformers/integrations/deepspeed.py, ``trainer_config_finalize``), because that is
+what most launched configs hold and because DeepSpeed's own defaults (5e8-element buckets, 1 GB
+each in bf16, allocated whatever the model's size) would dominate a small model's memory:
+- ``reduce_bucket_size`` = h² elements (DeepSpeed default 5e8): stage 1/2 allocate two gradient
+  buckets of this size with ``overlap_comm`` (``ipg_buckets``), stage 3 one;
+- ``allgather_bucket_size`` = h² (stage 1/2; the updated bf16 partitions are gathered in place);
+- ``stage3_prefetch_bucket_size`` = 0 (HF "auto" fills 0.9 h², DeepSpeed's default is 5e7): with a
+  prefetch bucket, DeepSpeed 0.19 keeps gathered every parameter the prefetcher walked past
+  ("don't release params whose reuse was skipped by prefetch",
+  ``PartitionedParameterCoordinator.__params_to_release``). In the real 2-rank run of
+  ``vramplan.run.distributed`` that left 92% of the parameters gathered at the end of the forward,
+  so stage 3 saved almost no parameter memory and nothing bounds it by the bucket. Without
+  prefetch the gathered set is the running module's parameters, which the estimate can hold to;
+  the price is that the all-gather no longer overlaps the compute (slower steps);
+- ``stage3_param_persistence_threshold`` = 10 h: parameters up to this size (norms, biases) stay
+  gathered on every rank;
+- ``stage3_max_live_parameters`` = 1e9 (DeepSpeed's default; it only bounds the prefetch);
+- offload blocks (``offload_optimizer`` / ``offload_param``) are written by the emitter
+  (vramplan/emit/deepspeed.py: ``pin_memory`` on, DeepSpeed's CPU Adam for AdamW).
+- ``stage3_max_reuse_distance`` = 0 (DeepSpeed's default is 1e9): a gathered parameter is
+  released after its module ran. With 1e9, every parameter whose next use is less than 1e9
+  elements of fetches away stays gathered, so between the forward and the backward up to ~1e9
+  parameters (2 GB in bf16; the whole model below 1B parameters) stay on every rank, and how
+  many depends on the module order. 0 costs one extra gather of the top layers at the start of
+  the backward and makes the gathered set the running module's parameters.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
 
 
 def zero_config(model: ModelSpec, setup: Setup) -> dict:
     """The ``zero_optimization`` block's numeric knobs for ``setup`` (stage, buckets, prefetch)."""
+    h2 = model.hidden_size * model.hidden_size
     cfg: dict = {
         "stage": setup.zero_stage,
         "overlap_comm": True,
         "contiguous_gradients": True,
-        "reduce_bucket_size": int(5e8),
-        "allgather_bucket_size": int(5e8),
+        "reduce_bucket_size": h2,
+        "allgather_bucket_size": h2,
     }
     if setup.zero_stage == 3:
         cfg.update({
-            "stage3_prefetch_bucket_size": int(5e7),
-            "stage3_param_persistence_threshold": int(1e5),
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_param_persistence_threshold": 10 * model.hidden_size,
             "stage3_max_live_parameters": int(1e9),
-            "stage3_max_reuse_distance": int(1e9),
+            "stage3_max_reuse_distance": 0,
             "stage3_gather_16bit_weights_on_model_save": True,
         })
     return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# what ZeRO keeps per rank (DeepSpeed 0.19: runtime/zero/stage_1_and_2.py, stage3.py)
+
+#: Bytes of optimizer state per fp32 master element. DeepSpeed hands the client optimizer one flat
+#: fp32 partition, so a factored optimizer (Adafactor) sees a vector and keeps a full second moment.
+_STATE_BYTES_PER_ELEMENT = {"adamw": 8, "adamw-fused": 8, "sgd": 4, "lion": 4, "adafactor": 4,
+                            "adamw-8bit": 2 * (1 + 4 / 256), "paged-adamw-8bit": 2 * (1 + 4 / 256)}
+#: DeepSpeed's stage-3 default: the fp32 partition is stepped in sub-groups of this many elements.
+SUB_GROUP_SIZE = int(1e9)
+
+
+@dataclass(frozen=True)
+class ZeroMemory:
+    """Per-rank bytes of one ZeRO setup's model states, split by where and when they live.
+
+    Device terms are what one GPU holds; ``host_*`` what the offload keeps in host RAM. The
+    activations are not here: DeepSpeed runs the model's own forward/backward unchanged."""
+
+    weights: int  # 16-bit parameters held between steps (stage 3: the partition + persistent ones)
+    master: int  # fp32 master partition on the device
+    states: int  # optimizer states on the device
+    grad_partition: int  # the rank's 16-bit gradient partition (stage 1/2 from backward to step)
+    grad_partition_static: bool  # True: allocated at initialize and kept (stage 3)
+    buckets: int  # gradient reduce buckets (stage 3: allocated at initialize and kept)
+    staging: int  # buffers kept from initialize on (stage 1/2 offload: the device gradient staging buffer)
+    gathered: int  # stage 3: the running module's gathered parameters (inside a layer's backward)
+    step: int  # the optimizer step's extra device bytes (flat/fp32 gradients, foreach transient)
+    host: int  # host RAM held by the offload (peak, with the host step's transient)
+    host_terms: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def static(self) -> int:
+        """Bytes on the device through the whole step."""
+        kept = self.grad_partition + self.buckets if self.grad_partition_static else 0
+        return self.weights + self.master + self.states + self.staging + kept
+
+
+def _elem_bytes(setup: Setup) -> int:
+    """16-bit under DeepSpeed's bf16/fp16 (it casts the model itself, so *-mixed is the same)."""
+    return 4 if setup.precision == "fp32" else 2
+
+
+def _persistent_params(model: ModelSpec, threshold: int) -> int:
+    """Parameters of at most ``threshold`` elements that stage 3 keeps gathered (norms, small
+    biases, small routers); DeepSpeed tests each parameter's numel (``ds_numel``)."""
+    n = sum(p for name, p in model.other_params if name == "norms")
+    for l in model.linears:
+        if l.bias and l.out_features <= threshold:
+            n += l.out_features * l.count
+        if l.weight_params <= threshold:
+            n += l.weight_params * l.count
+    return n
+
+
+def _largest_param(model: ModelSpec) -> int:
+    sizes = [l.weight_params for l in model.linears]
+    sizes += [n for name, n in model.other_params if name == "embed_tokens"]
+    return max(sizes)
+
+
+def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
+    """Model-state bytes per rank under ZeRO ``setup.zero_stage`` on ``setup.gpus`` ranks.
+
+    bf16/fp16 training under DeepSpeed is mixed precision whatever ``setup.precision`` says: the
+    engine casts the model to 16 bits and the ZeRO optimizer keeps an fp32 master partition that
+    the client optimizer steps (ZeRO paper, §5: 2 + 2 + 12 bytes/param before partitioning)."""
+    stage, n = setup.zero_stage, setup.gpus
+    cfg = zero_config(model, setup)
+    pb = _elem_bytes(setup)
+    total = model.params_total
+    part = -(-trainable // n)  # the rank's partition (DeepSpeed pads the flat group to n parts)
+    state_b = _STATE_BYTES_PER_ELEMENT[setup.optimizer]
+    foreach = setup.optimizer in ("adamw", "sgd", "lion", "adafactor")
+    off_opt = setup.offload_optimizer != "none"
+    off_par = setup.offload_params != "none"
+    bucket = cfg["reduce_bucket_size"] * pb
+    host_terms: list[tuple[str, int]] = []
+    staging = 0
+
+    master, states = 4 * part, int(state_b * part)
+    # the client torch optimizer's foreach transient (one fp32 state-sized list); DeepSpeed's own
+    # CPU Adam (used for offloaded AdamW, as the emitter writes) steps in place
+    t_step = 4 * part if foreach and not (off_opt and setup.optimizer in ("adamw", "adamw-fused")) else 0
+    if stage in (1, 2):
+        weights = total * pb  # bit16_groups_flat: the whole model, every rank
+        grad_part = 0 if off_opt else pb * part  # grads_in_partition
+        buckets = 2 * bucket  # ipg buckets, double-buffered with overlap_comm
+        # step: the gradient partition flattened (a 16-bit copy) and converted to fp32, then the
+        # inner step on the fp32 gradient (the 16-bit partition is freed by then)
+        step = max(grad_part + pb * part + 4 * part, 4 * part + t_step)
+        if off_opt:
+            largest = _largest_param(model) * pb
+            staging = largest  # temp_grad_buffer_for_gpu_offload
+            host_terms = [("fp32 master partition", master), ("fp32 gradient partition", 4 * part),
+                          ("16-bit staging partition", pb * part), ("gradient staging buffer", largest),
+                          ("optimizer states", states), ("optimizer step", t_step)]
+            master, states, step = 0, 0, 0
+        gathered = 0
+        static_grad = False
+    else:
+        persistent = _persistent_params(model, cfg["stage3_param_persistence_threshold"])
+        weights = pb * (-(-total // n)) + pb * persistent
+        grad_part = pb * part  # grad_partitions_flat_buffer, allocated at initialize
+        buckets = bucket
+        sub = min(part, SUB_GROUP_SIZE)
+        t_sub = t_step * sub // part if part else 0
+        step = max(pb * sub + 4 * sub, 4 * sub + t_sub)
+        # no prefetch and stage3_max_reuse_distance 0 (zero_config): a module's parameters are
+        # gathered while it runs and released after
+        gathered = pb * _largest_param(model)
+        static_grad = True
+        if off_opt:
+            host_terms = [("fp32 master partition", master), ("16-bit gradient partition", grad_part),
+                          ("fp32 gradient partition", 4 * part), ("optimizer states", states),
+                          ("optimizer step", t_step)]
+            master, states, grad_part, step = 0, 0, 0, 0
+        if setup.offload_optimizer == "nvme":
+            # the optimizer swapper's page-locked buffers: buffer_count (4, as the emitter writes
+            # it) fp32 buffers of the largest sub-group (swap_tensor/optimizer_utils.py)
+            host_terms.append(("NVMe swap buffers", 4 * 4 * sub))
+        if off_par:
+            host_terms.append(("16-bit parameter partition", pb * (-(-total // n))))
+            weights = pb * persistent
+    host = sum(b for _, b in host_terms)
+    return ZeroMemory(weights=weights, master=master, states=states, grad_partition=grad_part,
+                      grad_partition_static=static_grad, buckets=buckets, staging=staging,
+                      gathered=gathered, step=step,
+                      host=host, host_terms=tuple((k, v) for k, v in host_terms if v))
+
+
+@dataclass(frozen=True)
+class StepActivations:
+    """The activation side of each moment of the step, as the single-GPU estimate computes it
+    (DeepSpeed runs the model's forward and backward unchanged)."""
+
+    at_loss: int  # saved activations + logits and their fp32 copy
+    backward_start: int  # saved activations + the log-softmax gradients
+    top_layer: int  # saved activations + the top layer's backward
+    bottom_layer: int  # the bottom layer's saved activations + its backward
+    end: int  # what outlives the layers (the embedding's input gradient)
+
+
+def zero_phase_peaks(model: ModelSpec, setup: Setup, zm: ZeroMemory, act: StepActivations) -> dict[str, int]:
+    """Per-rank device peak of each phase under ZeRO.
+
+    Gradients never pile up as in the single-GPU step: DeepSpeed's hook copies each parameter's
+    gradient into a reduce bucket as soon as autograd produces it and frees ``param.grad``, so the
+    backward holds the rank's gradient partition, the buckets and one parameter's gradient at a
+    time. A tied head/embedding weight is the exception: autograd keeps the head's contribution
+    until the embedding's arrives at the end of the backward, then sums the two out of place."""
+    pb = _elem_bytes(setup)
+    full = setup.method == "full"
+    head = model.vocab_size * model.hidden_size * pb if full else 0
+    # inside the layers the largest gradient is a layer's largest matrix; the embedding's comes last
+    layer = max((l.weight_params for l in model.linears if l.role != "head"), default=0) * pb if full else 0
+    largest = _largest_param(model) * pb if full else 0
+    grads = 0 if zm.grad_partition_static else zm.grad_partition + zm.buckets
+    held = head if model.tie_word_embeddings else 0
+    mod = zm.gathered
+    forward = zm.static + act.at_loss
+    backward = zm.static + max(
+        act.backward_start,
+        act.top_layer + grads + max(head, layer) + mod,
+        act.bottom_layer + grads + held + layer + mod,
+        act.end + grads + (3 * held if held else largest),
+    )
+    optimizer = zm.static + zm.step
+    return {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}

@@ -1,0 +1,556 @@
+"""The truth for DeepSpeed ZeRO: the real engine run with N processes on this machine, per rank.
+
+    runs = run_zero(tiny_config(), [Setup(zero_stage=2, gpus=2), ...], world=2)
+    runs[0].ranks[1].device_bytes            # rank 1's peak of "GPU" tensor bytes
+
+Each rank is a subprocess (``python -m vramplan.run.distributed JOB``) with RANK/WORLD_SIZE/
+LOCAL_RANK/MASTER_ADDR/MASTER_PORT set, DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) and
+gloo. It builds the model with random weights from ``config`` in bf16 (stage 3: inside
+``deepspeed.zero.Init``, as transformers does), wraps the client optimizer vramplan's Setup names
+(torch AdamW foreach; DeepSpeed's CPU Adam when AdamW is offloaded, as the emitter writes it) with
+``deepspeed.initialize`` and the ds_config vramplan emits
+(:func:`ds_config`, whose ZeRO numbers come from ``vramplan.estimator.distributed.zero_config``),
+and runs the canonical step twice: ``engine(input_ids, labels=input_ids).loss``,
+``engine.backward(loss)``, ``engine.step()``. One launch runs several setups one after the other
+(each with its own model, engine and counter), so the test suite pays for process start-up once.
+
+Counting. A :class:`LiveTensorCounter` is entered before ``deepspeed.initialize`` so that every
+buffer DeepSpeed allocates is seen; the peak is taken over the second step (the first allocates
+the optimizer state and DeepSpeed's lazily created buffers; the second is the steady state and
+the larger of the two).
+
+Host versus device. On the CPU accelerator DeepSpeed's "GPU" tensors and its offloaded host
+tensors are both CPU tensors, so they are told apart by what owns them, following the code that
+places them (DeepSpeed 0.19, runtime/zero/stage_1_and_2.py and stage3.py):
+- whatever the client optimizer allocates while it steps on an offloaded partition (its states
+  and the step's transients): DeepSpeed runs that step on the host. Seen through torch's own
+  optimizer step hooks (``register_step_pre_hook`` / ``register_step_post_hook``);
+- the buffers DeepSpeed creates on its offload device (``self.device == "cpu"`` when offloading):
+  stage 1/2 ``single_partition_of_fp32_groups`` (fp32 master partition) and its ``.grad``,
+  ``param_buffer_of_bit16_for_cpu_offload_groups``, ``temp_grad_buffer_for_cpu_offload``,
+  ``accumulated_grads_in_cpu``; stage 3 ``fp32_partitioned_groups_flat`` and their ``.grad``,
+  ``grad_partitions_flat_buffer``; with parameter offload the partitioned bf16 parameters
+  (``param.ds_tensor``) and ``param_groups_fp16_flat_cpu_memory``; with NVMe the optimizer
+  swapper's page-locked buffers (``optimizer_swapper.swap_buffer_manager.all_buffers``).
+Everything else (bf16 parameters, gathered parameters, gradient buckets, activations) is what a
+GPU would hold. ``device_bytes`` is the peak of the live total minus the live host part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..specs import ModelSpec, Setup, SpecError, truncate_config
+
+#: The tiny model every ZeRO truth run uses: Llama-3.2-1B's architecture (tied embeddings, GQA,
+#: SwiGLU) scaled down so that four processes on two cores finish in seconds.
+TINY_BASE = "meta-llama/Llama-3.2-1B"
+TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+TINY_LAYERS = 2
+TINY_SEQ = 64
+
+
+def tiny_config(base: str = TINY_BASE, layers: int = TINY_LAYERS, shape: dict | None = None) -> dict:
+    """A shipped profile's config.json truncated to ``layers`` layers with hidden sizes shrunk."""
+    from ..profiles import load_model
+
+    cfg = truncate_config(dict(load_model(base).config), layers)
+    cfg.update(TINY_SHAPE if shape is None else shape)
+    return cfg
+
+
+def tiny_model(config: dict | None = None, base: str = TINY_BASE) -> ModelSpec:
+    """The ModelSpec of :func:`tiny_config` (what the estimate of a truth run is computed on)."""
+    from ..architecture import model_spec_from_config
+
+    return model_spec_from_config(config or tiny_config(base), name=f"{base}[tiny]", source=f"profile:{base}")
+
+
+#: Other shapes the full matrix also runs (on 2 ranks): untied head (Llama-3.1), and q/k/v biases
+#: that stage 3 keeps gathered as persistent parameters (Qwen2.5).
+OTHER_BASES = ("meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B")
+
+
+def uses_ds_cpu_adam(setup: Setup) -> bool:
+    """Offloaded AdamW runs DeepSpeed's CPU Adam (a JIT-built C++ op), as the emitter writes it;
+    other optimizers stay the client torch optimizer stepping on the host."""
+    return setup.offload_optimizer != "none" and setup.optimizer in ("adamw", "adamw-fused")
+
+
+def ds_config(model: ModelSpec, setup: Setup, nvme_path: str = "/local_nvme") -> dict:
+    """The ds_config.json of ``setup``: bf16 (or fp16) mixed precision, the client optimizer kept
+    (``zero_force_ds_cpu_optimizer: false``, so torch AdamW also steps an offloaded partition), and
+    the ``zero_optimization`` block from :func:`vramplan.estimator.distributed.zero_config` with
+    the offload blocks (and ``aio`` for NVMe) the emitter writes (vramplan/emit/deepspeed.py)."""
+    from ..emit.deepspeed import _offload
+    from ..estimator.distributed import zero_config
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": setup.batch,
+        "gradient_accumulation_steps": setup.grad_accum,
+        "zero_optimization": zero_config(model, setup),
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    for kind, device in (("optimizer", setup.offload_optimizer), ("param", setup.offload_params)):
+        if device != "none":
+            cfg["zero_optimization"][f"offload_{kind}"] = _offload(device, nvme_path, kind, model)
+    if "nvme" in (setup.offload_optimizer, setup.offload_params):
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                      "overlap_events": True}
+    if uses_ds_cpu_adam(setup):
+        # as vramplan's emitter writes it: DeepSpeed's CPU Adam steps the offloaded partition
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                        "weight_decay": 0.0}}
+    if setup.precision in ("bf16", "bf16-mixed"):
+        cfg["bf16"] = {"enabled": True}
+    elif setup.precision in ("fp16", "fp16-mixed"):
+        cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's peaks over the measured step, in bytes."""
+
+    rank: int
+    device_bytes: int  # live bytes a GPU would hold (tensor peak)
+    phase: str  # phase of the device peak
+    phase_peaks: dict = field(default_factory=dict)  # device peak per phase
+    host_bytes: int = 0  # peak of the live offloaded (host) bytes
+    init_bytes: int = 0  # live bytes (host and device) peak up to the end of deepspeed.initialize
+
+
+@dataclass(frozen=True)
+class ZeroRun:
+    """A setup run by the real engine: one RankPeak per rank, and which optimizers ran."""
+
+    setup: Setup
+    ranks: tuple[RankPeak, ...]
+    zero_optimizer: str  # DeepSpeedZeroOptimizer / DeepSpeedZeroOptimizer_Stage3
+    inner_optimizer: str  # the client optimizer DeepSpeed steps (torch AdamW)
+    #: with ``detail``: per rank, the device bytes live at its peak by (dtype, creation site, phase)
+    details: tuple = ()
+
+    @property
+    def worst(self) -> RankPeak:
+        return max(self.ranks, key=lambda r: r.device_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# the launcher (no torch at import)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_zero(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ, timeout_s: float = 600,
+             detail: bool = False) -> list[ZeroRun]:
+    """Run each setup (all with ``gpus == world``) on ``world`` processes, in one launch.
+
+    The ranks are ``python -m vramplan.run.distributed JOB`` subprocesses (no fork of the caller,
+    so this works from pytest, a CLI command or a script alike); each writes its results as JSON."""
+    for s in setups:
+        if s.gpus != world:
+            raise SpecError(f"setup has gpus={s.gpus} but the launch has {world} processes")
+        if not s.zero_stage:
+            raise SpecError("run_zero measures DeepSpeed ZeRO setups (zero_stage 1-3)")
+    with tempfile.TemporaryDirectory(prefix="vramplan-zero-") as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"config": config, "setups": [s.to_dict() for s in setups], "seq": seq,
+                                   "detail": detail, "out": tmp}))
+        port = _free_port()
+        procs = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+                       TOKENIZERS_PARALLELISM="false")
+            log = open(Path(tmp) / f"rank{r}.log", "w")  # noqa: SIM115 (closed after the wait below)
+            procs.append((subprocess.Popen([sys.executable, "-m", "vramplan.run.distributed", str(job)],
+                                           env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p, _ in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"DeepSpeed workers did not finish within {timeout_s:.0f} s") from None
+        finally:
+            for p, log in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                log.close()
+        got = {}
+        for r, (p, _) in enumerate(procs):
+            out = Path(tmp) / f"rank{r}.json"
+            if p.returncode != 0 or not out.is_file():
+                tail = (Path(tmp) / f"rank{r}.log").read_text()[-3000:]
+                raise RuntimeError(f"rank {r} exited with {p.returncode}:\n{tail}")
+            got[r] = json.loads(out.read_text())
+    runs = []
+    for i, s in enumerate(setups):
+        ranks = tuple(RankPeak(**got[r][i]["peak"]) for r in range(world))
+        details = tuple(tuple(tuple(kv) for kv in got[r][i].get("detail", ())) for r in range(world))
+        runs.append(ZeroRun(s, ranks, got[0][i]["zero_optimizer"], got[0][i]["inner_optimizer"], details))
+    return runs
+
+
+# ----------------------------------------------------------------------------------------------
+# the worker (imports torch and deepspeed)
+
+
+def _worker(job_path: str) -> None:
+    """One rank: run every setup of the job and write ``rank{RANK}.json`` next to it."""
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.ERROR)
+    job = json.loads(Path(job_path).read_text())
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ["RANK"])
+    nvme = Path(job["out"]) / f"nvme{rank}"
+    nvme.mkdir(exist_ok=True)
+    out = [_run_one(job["config"], Setup.from_dict(s), job["seq"], job["detail"], str(nvme)) for s in job["setups"]]
+    (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
+    torch.distributed.destroy_process_group()
+
+
+def _split_counter_class():
+    from .live import LiveTensorCounter
+
+    class SplitCounter(LiveTensorCounter):
+        """LiveTensorCounter that keeps a host part apart: storages marked host (by owner, or
+        allocated while ``host_context`` is set) count to ``host_peak`` and not to the device."""
+
+        def __init__(self, detail: bool = False) -> None:
+            super().__init__(device="cpu")
+            self.detail = detail
+            self.sites: dict[int, str] = {}
+            self.at_peak: dict[int, int] = {}
+            self.host_context = False
+            self.host_sids: set[int] = set()
+            self.measuring = False
+            self.device_peak = 0
+            self.device_phase = ""
+            self.device_phase_peaks: dict[str, int] = {}
+            self.host_peak = 0
+
+        def _track(self, tensor) -> None:
+            before = self._by_obj.get(id(tensor.untyped_storage())) if not tensor.is_meta else None
+            super()._track(tensor)
+            if self.detail and before is None and not tensor.is_meta:
+                sid = self._by_obj.get(id(tensor.untyped_storage()))
+                if sid is not None and sid not in self.sites:
+                    self.sites[sid] = f"{str(tensor.dtype)[6:]}{list(tensor.shape)} {_creation_site()} [{self._phase}]"
+            if self.host_context and before is None and not tensor.is_meta:
+                sid = self._by_obj.get(id(tensor.untyped_storage()))
+                if sid is not None:
+                    self.host_sids.add(sid)
+
+        def mark_host(self, tensors) -> None:
+            for t in tensors:
+                self._track(t)
+                sid = self._by_obj.get(id(t.untyped_storage()))
+                if sid is not None:
+                    self.host_sids.add(sid)
+            self._observe()
+
+        def host_live(self) -> int:
+            dead = [s for s in self.host_sids if s not in self.live]
+            for s in dead:
+                self.host_sids.discard(s)
+            return sum(self.live[s] for s in self.host_sids)
+
+        def _observe(self) -> None:
+            super()._observe()
+            if not self.measuring:
+                return
+            host = self.host_live()
+            dev = self.current_bytes - host
+            self.host_peak = max(self.host_peak, host)
+            if dev > self.device_peak:
+                self.device_peak, self.device_phase = dev, self._phase or ""
+                if self.detail:
+                    self.at_peak = {s: n for s, n in self.live.items() if s not in self.host_sids}
+            if self._phase is not None and dev > self.device_phase_peaks.get(self._phase, 0):
+                self.device_phase_peaks[self._phase] = dev
+
+        def start_measuring(self) -> None:
+            self.measuring = True
+            self.device_peak, self.device_phase, self.device_phase_peaks, self.host_peak = 0, "", {}, 0
+            self._observe()
+
+    return SplitCounter
+
+
+def _creation_site() -> str:
+    """The innermost DeepSpeed/transformers frames that allocated a tensor (diagnostics)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack(limit=24)
+              if "site-packages" in f.filename and "/torch/" not in f.filename]
+    return " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[::-1][:3]) or "?"
+
+
+def _tensors_in(obj: Any, depth: int = 3):
+    """Tensors held by obj (a tensor, or lists/tuples/dicts of them), with their ``.grad``."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif depth and isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors_in(o, depth - 1)
+    elif depth and isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_in(o, depth - 1)
+
+
+#: DeepSpeed attributes that live on the offload device (see the module docstring).
+_HOST_ATTRS = {
+    ("stage12", "optimizer"): ("single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
+                               "temp_grad_buffer_for_cpu_offload", "accumulated_grads_in_cpu"),
+    ("stage3", "optimizer"): ("fp32_partitioned_groups_flat", "grad_partitions_flat_buffer"),
+    ("stage3", "params"): ("param_groups_fp16_flat_cpu_memory",),
+}
+
+
+def _host_tensors(engine, setup: Setup):
+    """The storages DeepSpeed keeps on the host for ``setup``'s offload."""
+    zopt = engine.optimizer
+    kind = "stage3" if setup.zero_stage == 3 else "stage12"
+    found = []
+    if setup.offload_optimizer != "none":
+        for attr in _HOST_ATTRS[(kind, "optimizer")]:
+            found += list(_tensors_in(getattr(zopt, attr, None)))
+        for state in zopt.optimizer.state.values():
+            found += list(_tensors_in(state))
+    swapper = getattr(zopt, "optimizer_swapper", None)  # NVMe: page-locked host swap buffers
+    if swapper is not None:
+        found += list(_tensors_in(getattr(swapper.swap_buffer_manager, "all_buffers", None)))
+    if setup.offload_params != "none":
+        for attr in _HOST_ATTRS[("stage3", "params")]:
+            found += list(_tensors_in(getattr(zopt, attr, None)))
+        for p in engine.module.parameters():
+            if getattr(p, "ds_tensor", None) is not None:
+                found.append(p.ds_tensor)
+    return found
+
+
+def _client_optimizer(setup: Setup, params):
+    import torch
+
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    if setup.optimizer == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-5, fused=True)
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=True)
+    raise SpecError(f"the ZeRO truth runs torch optimizers (adamw, adamw-fused, sgd); not {setup.optimizer!r}")
+
+
+def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_path: str = "") -> dict:
+    import gc
+
+    import deepspeed
+    import torch
+    import transformers
+
+    from ..architecture import model_spec_from_config
+    from ..tracer import _hf_config
+
+    spec = model_spec_from_config(config, name="tiny")
+    hf_cfg = _hf_config(config, None)
+    hf_cfg.use_cache = False
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = ds_config(spec, setup, nvme_path=nvme_path)
+    if setup.zero_stage == 3:
+        # as transformers builds a model when ZeRO-3 is enabled: inside zero.Init, which partitions
+        # each parameter at construction and swaps F.linear for DeepSpeed's version that saves the
+        # parameter (not its gathered data) for the backward
+        # imported inside zero.Init, these trip over its tensor-creation patches
+        import torch._dynamo
+        import transformers.generation.utils
+        from deepspeed.runtime.zero.partition_parameters import (
+            InsertPostInitMethodToModuleSubClasses as _Init,
+        )
+
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16,
+                                                                  attn_implementation="sdpa")
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if setup.adapters:
+        import peft
+
+        targets = setup.lora_targets
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
+            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
+    if setup.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if setup.adapters:
+            model.enable_input_require_grads()
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = None if uses_ds_cpu_adam(setup) else _client_optimizer(setup, trainable)
+    host_step = setup.offload_optimizer != "none"
+
+    counter = _split_counter_class()(detail)
+    counter.track(model, [getattr(p, "ds_tensor", None) for p in model.parameters()])
+    ids = torch.randint(0, spec.vocab_size, (setup.batch, seq), generator=torch.Generator().manual_seed(1))
+    with counter:
+        counter.phase("init")
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        init_bytes = counter.peak_bytes
+        if host_step:
+            inner = engine.optimizer.optimizer
+
+            def _pre(*_a):
+                counter.host_context = True
+
+            def _post(*_a):
+                counter.host_context = False
+
+            inner.register_step_pre_hook(_pre)
+            inner.register_step_post_hook(_post)
+        for step in range(2):
+            counter.mark_host(_host_tensors(engine, setup))
+            if step == 1:
+                counter.start_measuring()
+            for _ in range(setup.grad_accum):
+                counter.phase("forward")
+                loss = engine(input_ids=ids, labels=ids).loss
+                counter.phase("backward")
+                engine.backward(loss)
+                del loss
+                counter.phase("optimizer")
+                engine.step()
+        counter.phase(None)
+    peak = {"rank": int(os.environ["RANK"]), "device_bytes": counter.device_peak, "phase": counter.device_phase,
+            "phase_peaks": dict(counter.device_phase_peaks), "host_bytes": counter.host_peak, "init_bytes": init_bytes}
+    out = {"peak": peak, "zero_optimizer": type(engine.optimizer).__name__,
+           "inner_optimizer": type(engine.optimizer.optimizer).__name__}
+    if detail:
+        agg: dict[str, int] = {}
+        for sid, n in counter.at_peak.items():
+            key = counter.sites.get(sid, "existing before initialize")
+            agg[key] = agg.get(key, 0) + n
+        out["detail"] = sorted(agg.items(), key=lambda kv: -kv[1])
+    engine.destroy()
+    if setup.zero_stage == 3 and getattr(_Init, "linear_bk", None) is not None:
+        torch.nn.functional.linear = _Init.linear_bk  # zero.Init leaves its F.linear installed
+    del engine, model, opt
+    gc.collect()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# estimate versus truth
+
+
+#: The verified matrix: every stage, without and with CPU offload (parameters too at stage 3).
+ZERO_MATRIX = (
+    {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+    {"zero_stage": 1, "offload_optimizer": "cpu"}, {"zero_stage": 2, "offload_optimizer": "cpu"},
+    {"zero_stage": 3, "offload_optimizer": "cpu"},
+    {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+)
+
+#: NVMe offload (DeepSpeed's async_io op, with libaio): stage 1/2 treat an NVMe optimizer offload
+#: as a CPU one; stage 3 swaps the optimizer's fp32 partition through page-locked host buffers.
+NVME_MATRIX = ({"zero_stage": 2, "offload_optimizer": "nvme"}, {"zero_stage": 3, "offload_optimizer": "nvme"})
+
+#: Knobs of the ZeRO matrix that are not verified here, and why.
+UNVERIFIED = (
+    ({"zero_stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"},
+     ("parameter NVMe offload: the emitted config pins 5 swap buffers of 1e8 elements per rank "
+      "(2 GB of host RAM for two ranks); not run on this shared 23 GB machine")),
+    ({"zero_stage": 2, "method": "lora"},
+     ("LoRA under ZeRO: DeepSpeed casts the adapters to bf16 with the model, while the activation "
+      "recipes assume peft's fp32 adapters; measured at N=2 the estimate is +15% (stage 2) / -9% "
+      "(stage 3) off, outside the bar")),
+)
+
+
+def nvme_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe offload) builds here: it needs libaio's headers."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def compare_setups(setups: list[Setup], world: int, base: str = TINY_BASE) -> list[tuple[ZeroRun, Any]]:
+    """Run ``setups`` on ``world`` ranks and estimate each on the same tiny model: (run, Breakdown)."""
+    from ..estimator import estimate
+
+    config = tiny_config(base)
+    model = tiny_model(config, base)
+    runs = run_zero(config, setups, world)
+    out = []
+    for run in runs:
+        out.append((run, estimate(model, run.setup)))
+    return out
+
+
+def zero_rows(quick: bool) -> list:
+    """Rows for ``vramplan validate``: one per (setup, world size), the worst rank's device peak as
+    the truth (``truth="deepspeed-N"``, ``knob="zero"``), plus unverifiable cases with their reason.
+    ``quick`` runs world sizes 1 and 2 on stages 1-3 and one offload case; the full matrix adds
+    every offload case and 4 ranks."""
+    from ..accuracy import Row
+
+    model = tiny_model()
+    worlds = (1, 2) if quick else (1, 2, 4)
+    matrix = ZERO_MATRIX[:4] if quick else ZERO_MATRIX + (NVME_MATRIX if nvme_available() else ())
+    launches = [(TINY_BASE, w, matrix) for w in worlds]
+    if not quick:
+        launches += [(base, 2, ZERO_MATRIX) for base in OTHER_BASES]
+    rows = []
+    for base, world, kws in launches:
+        family = tiny_model(base=base).family
+        setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in kws]
+        for run, est in compare_setups(setups, world, base):
+            worst = run.worst
+            rows.append(Row(f"{base}[tiny]", family, run.setup, worst.device_bytes, est.tensor_peak_bytes,
+                            worst.phase, est.phase, truth=f"deepspeed-{world}", knob="zero"))
+    unverified = list(UNVERIFIED)
+    if not quick and not nvme_available():
+        unverified += [(kw, "DeepSpeed's async_io op does not build here (it needs libaio-dev)") for kw in NVME_MATRIX]
+    for kw, why in unverified:
+        setup = Setup(**kw, gpus=2, seq=TINY_SEQ)
+        rows.append(Row(model.name, model.family, setup, 0, 0, "", "", truth="deepspeed-2", knob="zero",
+                        verified=False, why=why))
+    return rows
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
