@@ -1,12 +1,16 @@
-"""Estimate vs trace: the error table (median and worst per family). Prints; asserts nothing.
+"""Estimate vs truth, printed as error tables. Prints; asserts nothing.
 
-    python benchmarks/accuracy.py            # 4-layer truncations, every family, 2 shapes
-    python benchmarks/accuracy.py --full     # whole models (traced at 2 and 3 layers, extrapolated)
+    python benchmarks/accuracy.py                     # estimate vs trace: every family, 4-layer truncations, 2 shapes
+    python benchmarks/accuracy.py --full              # the same on whole models (traced at 2 and 3 layers, extrapolated)
+    python benchmarks/accuracy.py --validate          # the knob matrix of `vramplan validate` (trace and real CPU runs)
+    python benchmarks/accuracy.py --validate --quick  # its CI subset
+    python benchmarks/accuracy.py --validate --json   # machine-readable rows and per-knob summary
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -14,13 +18,8 @@ from vramplan.accuracy import FAMILY_MODELS, compare
 from vramplan.specs import Setup
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--full", action="store_true", help="whole models instead of 4-layer truncations")
-    ap.add_argument("--shapes", default="1x512,4x4096")
-    args = ap.parse_args()
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
-    layers = None if args.full else 4
+def family_matrix(full: bool, shapes: list[tuple[int, int]]) -> None:
+    layers = None if full else 4
     per_family: dict[str, list[float]] = {}
     t0 = time.perf_counter()
     print(f"{'family':12s} {'method':6s} {'ckpt':4s} {'b x s':>9s} {'trace GiB':>10s} {'est GiB':>9s} {'error':>8s}  note")
@@ -41,6 +40,53 @@ def main() -> None:
         print(f"{family:12s} {statistics.median(abs(e) for e in errs):12.2%} {worst:+8.2%}")
     allerr = [abs(e) for errs in per_family.values() for e in errs]
     print(f"{'all':12s} {statistics.median(allerr):12.2%} {max(allerr):8.2%}   ({time.perf_counter() - t0:.0f} s)")
+
+
+def validate_matrix(quick: bool, as_json: bool) -> None:
+    """The matrix of `vramplan validate`: one line per row as it runs, then the per-knob summary."""
+    from vramplan.cli import describe
+    from vramplan.validate import matrix, row_json, run_case, summarize, unverified_rows
+
+    t0 = time.perf_counter()
+    rows = []
+    if not as_json:
+        print(f"{'knob':13s} {'model':18s} {'truth':7s} {'quantity':18s} {'truth MiB':>10s} {'est MiB':>10s} {'error':>8s}  setup")
+    for case in matrix(quick):
+        for row in run_case(case):
+            rows.append(row)
+            if not as_json:
+                print(f"{row.knob:13s} {row.model.split('/')[-1][:18]:18s} {row.truth:7s} {row.quantity[:18]:18s} "
+                      f"{row.truth_bytes / 2**20:10.1f} {row.estimated_bytes / 2**20:10.1f} {row.error:+8.2%}  "
+                      f"{describe(row.setup)}", flush=True)
+    rows += unverified_rows(quick)
+    summary = summarize(rows)
+    seconds = time.perf_counter() - t0
+    if as_json:
+        print(json.dumps({"rows": [row_json(r) for r in rows], "summary": [s.__dict__ for s in summary],
+                          "seconds": round(seconds, 1)}, indent=2))
+        return
+    print()
+    print(f"{'knob':17s} {'rows':>4s} {'median |err|':>12s} {'worst':>8s}  (tensor peak)")
+    for s in summary:
+        if s.verified:
+            print(f"{s.knob:17s} {s.rows:4d} {s.median_abs_error:12.2%} {s.worst_error:+8.2%}")
+        else:
+            print(f"{s.knob:17s} {0:4d} {'-':>12s} {'-':>8s}  not verified: {s.why}")
+    print(f"({seconds:.0f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--full", action="store_true", help="whole models instead of 4-layer truncations")
+    ap.add_argument("--shapes", default="1x512,4x4096")
+    ap.add_argument("--validate", action="store_true", help="the knob matrix of `vramplan validate`")
+    ap.add_argument("--quick", action="store_true", help="with --validate: the CI subset")
+    ap.add_argument("--json", action="store_true", help="with --validate: JSON rows and summary")
+    args = ap.parse_args()
+    if args.validate:
+        validate_matrix(args.quick, args.json)
+        return
+    family_matrix(args.full, [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")])
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def test_estimate_json_setup_options_reach_the_setup():
         "--lora-dropout", "0.1", "--lora-targets", "q_proj,v_proj", "--no-double-quant", "--precision",
         "bf16", "--optimizer", "adamw-8bit", "--checkpointing", "--attn", "eager", "--batch", "2", "--seq",
         "128", "--grad-accum", "4", "--zero", "2", "--offload-optimizer", "cpu", "--gpus", "2", "--loss",
-        "chunked",
+        "chunked", "--pad-mask",
     )
     assert r.exit_code == 0, r.output
     setup = json.loads(r.stdout)["setup"]
@@ -104,7 +104,7 @@ def test_estimate_json_setup_options_reach_the_setup():
         "method": "qlora", "lora_rank": 8, "lora_alpha": 4, "lora_dropout": 0.1, "lora_targets": "q_proj,v_proj",
         "quant": "nf4", "double_quant": False, "precision": "bf16", "optimizer": "adamw-8bit",
         "checkpointing": True, "attn": "eager", "batch": 2, "seq": 128, "grad_accum": 4, "zero_stage": 2,
-        "offload_optimizer": "cpu", "offload_params": "none", "gpus": 2, "loss": "chunked",
+        "offload_optimizer": "cpu", "offload_params": "none", "gpus": 2, "loss": "chunked", "pad_mask": True,
     }
 
 

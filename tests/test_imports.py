@@ -28,6 +28,8 @@ def run_python(code: str) -> subprocess.CompletedProcess:
         ["estimate", "qwen3-30b-a3b", "--method", "qlora", "--checkpointing", "--gpu-memory", "24GiB"],
         ["models", "--json"],
         ["gpus"],
+        ["plan", "llama-3.1-8b", "--gpu", "rtx-4090"],
+        ["plan", "llama-3.1-70b", "--gpu-memory", "12GiB", "--json"],
     ],
     ids=lambda a: " ".join(a),
 )
@@ -43,6 +45,49 @@ def test_cli_paths_do_not_import_torch(args):
         assert not heavy, heavy
         """
     )
+
+
+def test_check_command_and_pytest_plugin_do_not_import_torch(tmp_path):
+    spec = tmp_path / "checks.yaml"
+    spec.write_text("checks:\n  - {name: a, model: llama-3.1-8b, gpu: rtx-4090, setup: {method: qlora, checkpointing: true}}\n")
+    baseline = tmp_path / "vram-baseline.json"
+    run_python(
+        f"""
+        import sys
+        from click.testing import CliRunner
+        from vramplan.cli import main
+        for extra in (["--update"], ["--json"], ["--format", "github", "--summary", ""]):
+            result = CliRunner().invoke(main, ["check", {str(spec)!r}, "--baseline", {str(baseline)!r}, *extra])
+            assert result.exit_code == 0, result.output
+        from vramplan.pytest_plugin import Vram
+        assert Vram().estimate("llama-3.1-8b", method="lora", checkpointing=True, gpu="rtx-4090").fits
+        heavy = [m for m in {HEAVY!r} if m in sys.modules]
+        assert not heavy, heavy
+        """
+    )
+
+
+def test_emit_does_not_import_torch(tmp_path):
+    """`vramplan emit` writes DeepSpeed/Accelerate configs and train.py without importing them."""
+    run_python(
+        f"""
+        import sys
+        from click.testing import CliRunner
+        from vramplan import Setup, estimate, load_gpu, load_model
+        from vramplan.cli import main
+        from vramplan.planfile import save_plan
+        from vramplan.specs import Plan
+        model, gpu = load_model("llama-3.1-8b"), load_gpu("a100-80gb")
+        setup = Setup(method="qlora", zero_stage=3, gpus=16, checkpointing=True)
+        plan = Plan(model=model.name, setup=setup, breakdown=estimate(model, setup, gpu), gpu=gpu, nodes=2)
+        path = save_plan(plan, {str(tmp_path / "plan.yaml")!r})
+        result = CliRunner().invoke(main, ["emit", str(path), "--out", {str(tmp_path / "out")!r}])
+        assert result.exit_code == 0, result.output
+        heavy = [m for m in {HEAVY!r} if m in sys.modules]
+        assert not heavy, heavy
+        """
+    )
+    assert (tmp_path / "out" / "ds_config.json").is_file() and (tmp_path / "out" / "train.py").is_file()
 
 
 def test_import_vramplan_does_not_import_torch():
@@ -76,5 +121,27 @@ def test_public_api_round_trip():
         from vramplan import estimate, load_gpu, load_model, Setup
         bd = estimate(load_model("llama-3.1-8b"), Setup(method="lora", checkpointing=True), load_gpu("rtx-4090"))
         assert bd.fits in (True, False) and bd.device_total_bytes > 0
+        """
+    )
+
+
+def test_measure_launcher_sweep_and_calibrate_do_not_import_torch(tmp_path):
+    """Only the worker process imports torch: the parent of `measure`, `sweep` and `calibrate` never does."""
+    from pathlib import Path
+
+    matrix = Path(__file__).parents[1] / "calibration" / "gpu-sweep.yaml"
+    run_python(
+        f"""
+        import sys
+        from click.testing import CliRunner
+        from vramplan.cli import main
+        import vramplan.calibrate, vramplan.measure, vramplan.run.launch, vramplan.sweep
+        for args, code in ((["calibrate", "--records", {str(tmp_path)!r}, "--out", {str(tmp_path / "c.json")!r}], 0),
+                           (["sweep", {str(matrix)!r}, "--dry-run", "--records", {str(tmp_path)!r}], 0),
+                           (["measure", "llama-3.2-1b", "--steps", "0"], 2)):
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == code, result.output
+        heavy = [m for m in {HEAVY!r} if m in sys.modules]
+        assert not heavy, heavy
         """
     )

@@ -50,6 +50,8 @@ class Row:
     quantity: str = "tensor_peak_bytes"
     verified: bool = True
     why: str = ""
+    #: the estimate's four headline numbers (tensor peak, allocated, reserved, device total)
+    estimate_headline: tuple[int, int, int, int] | None = None
 
     @property
     def truth_bytes(self) -> int:

@@ -78,7 +78,7 @@ _FLAG = {
     "double_quant": "--double-quant", "precision": "--precision", "optimizer": "--optimizer",
     "checkpointing": "--checkpointing", "attn": "--attn", "batch": "--batch", "seq": "--seq",
     "grad_accum": "--grad-accum", "zero_stage": "--zero", "offload_optimizer": "--offload-optimizer",
-    "offload_params": "--offload-params", "gpus": "--gpus", "loss": "--loss",
+    "offload_params": "--offload-params", "gpus": "--gpus", "loss": "--loss", "pad_mask": "--pad-mask",
 }
 
 _SETUP_OPTIONS = [
@@ -111,7 +111,9 @@ _SETUP_OPTIONS = [
                  show_default=True, help="ZeRO parameter offload (needs --zero 3)."),
     click.option("--gpus", type=int, default=_DEFAULT.gpus, show_default=True, help="Number of GPUs (data parallel)."),
     click.option("--loss", type=click.Choice(LOSSES), default=_DEFAULT.loss, show_default=True,
-                 help="hf: logits then cross-entropy; chunked: a chunked/fused loss."),
+                 help="hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk."),
+    click.option("--pad-mask/--no-pad-mask", default=_DEFAULT.pad_mask, show_default=True,
+                 help="Batches carry a padded attention_mask (SDPA gets an explicit mask)."),
 ]
 _SETUP_FIELDS = {f.name for f in dataclasses.fields(Setup)}
 
@@ -210,6 +212,8 @@ def describe(setup: Setup) -> str:
     parts.append("checkpointing" if setup.checkpointing else "no checkpointing")
     if setup.attn != "auto":
         parts.append(f"attn {setup.attn}")
+    if setup.pad_mask:
+        parts.append("padding mask")
     if setup.loss != "hf":
         parts.append(f"{setup.loss} loss")
     if setup.gpus > 1:

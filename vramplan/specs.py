@@ -203,6 +203,9 @@ class Setup:
     offload_params: str = "none"
     gpus: int = 1
     loss: str = "hf"
+    #: the batch carries a padded ``attention_mask`` (a collator padding to the longest sequence):
+    #: SDPA then gets an explicit boolean mask instead of ``is_causal``
+    pad_mask: bool = False
 
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)

@@ -248,8 +248,29 @@ def _label_backward_moments(model, tracker: _LiveTracker, num_layers: int) -> No
     tracker.on_backward_start = reset
 
 
+def autocast_inputs(*tensors):
+    """SDPA is on autocast's lower-precision list: under autocast the real kernel receives
+    q, k, v cast to the autocast dtype (and saves those copies). A stand-in called in its place
+    bypasses autocast's dispatch, so it casts them itself."""
+    import torch
+
+    if not tensors or not torch.is_autocast_enabled(tensors[0].device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def padding_mask(batch: int, seq: int):
+    """The attention_mask of a padded batch: the last sequence right-padded by an eighth."""
+    import torch
+
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[-1, seq - max(1, seq // 8):] = 0
+    return mask
+
+
 @contextlib.contextmanager
-def _real_code_paths():
+def _real_code_paths(padded: bool = False):
     """Make the traced step take the code path a real CUDA step takes.
 
     - transformers treats fake tensors as a sign of torch.export/compile tracing (``is_tracing``)
@@ -272,7 +293,7 @@ def _real_code_paths():
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.dim() == 4 and (attn_mask is None or attn_mask.dtype == torch.bool):
-            return _FlashLike.apply(query, key, value, attn_mask)
+            return _FlashLike.apply(*autocast_inputs(query, key, value), attn_mask)
         return orig_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
 
@@ -286,6 +307,8 @@ def _real_code_paths():
         (masking_utils, "is_tracing", lambda tensor=None: False),
         # the canonical step passes no position_ids, so sequences are never packed
         (masking_utils, "find_packed_sequence_indices", lambda position_ids: None),
+        # fake tensors carry no values: a padded batch (--pad-mask) is known to have padding
+        (masking_utils, "fast_all", lambda tensor: not padded),
         (F, "scaled_dot_product_attention", sdpa),
         (F, "dropout", dropout),
     ]
@@ -308,8 +331,6 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
 
     if setup.quant != "none":
         raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; it needs a real run (the measured tier)")
-    if setup.loss != "hf":
-        raise NotTraceable("a chunked/fused loss is not part of transformers' step; only the hf loss is traced")
     if setup.zero_stage or setup.gpus > 1:
         raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; it needs a real run (the measured tier)")
     if setup.precision in ("bf16-mixed", "fp16-mixed"):
@@ -371,7 +392,12 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     mode = _make_mode(tracker)
-    with _real_code_paths(), fake, mode:
+    loss_patch = contextlib.nullcontext()
+    if setup.loss == "chunked":  # vramplan's chunked cross-entropy (vramplan/run/chunked_loss.py)
+        from .run.chunked_loss import patch_chunked_loss
+
+        loss_patch = patch_chunked_loss(model)
+    with _real_code_paths(setup.pad_mask), loss_patch, fake, mode:
         model.to_empty(device="cpu")
         # Module._apply replaces each module's parameters one by one, which unties shared ones
         # (tied input/output embeddings); tie them again as from_pretrained would.
@@ -424,6 +450,10 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
 
         input_ids = torch.randint(0, int(config.get("vocab_size", 32000)), (setup.batch, setup.seq))
         tracker.track(input_ids)
+        batch = {"input_ids": input_ids, "labels": input_ids}
+        if setup.pad_mask:
+            batch["attention_mask"] = padding_mask(setup.batch, setup.seq)
+            tracker.track(batch["attention_mask"])
         autocast = (
             torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
         )
@@ -434,7 +464,7 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
             for micro in range(setup.grad_accum):
                 tracker.phase = "forward:layers"
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-                    loss = model(input_ids=input_ids, labels=input_ids).loss
+                    loss = model(**batch).loss
                     if setup.grad_accum > 1:
                         loss = loss / setup.grad_accum
                 tracker.phase = "backward:pre"

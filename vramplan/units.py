@@ -21,7 +21,7 @@ DTYPE_BYTES: dict[str, float] = {
     "uint8": 1,
     "int8": 1,
     "bool": 1,
-    # bitsandbytes 4-bit: two values per byte, before the absmax scales (see QUANT_BYTES_PER_PARAM).
+    # bitsandbytes 4-bit: two values per byte, before the absmax scales (see bnb_4bit_tensor_bytes).
     "nf4": 0.5,
     "fp4": 0.5,
 }
@@ -45,34 +45,23 @@ PRECISION_COMPUTE_DTYPE: dict[str, str] = {
     "fp16-mixed": "float16",
 }
 
-#: Bytes per parameter of a quantised base weight, scales included.
-#: NF4/FP4 with blocksize 64 keep one fp32 absmax per block: 0.5 + 4/64 = 0.5625 B/param; double
-#: quantisation stores the absmax in 8 bits with one fp32 scale per 256 blocks:
-#: 0.5 + 1/64 + 4/(64*256) = 0.515869 B/param (Dettmers et al. 2023, QLoRA, section 3).
-#: LLM.int8 keeps int8 weights and one fp32 scale per output row (added per layer, not here).
-QUANT_BYTES_PER_PARAM: dict[tuple[str, bool], float] = {
-    ("nf4", False): 0.5 + 4 / 64,
-    ("nf4", True): 0.5 + 1 / 64 + 4 / (64 * 256),
-    ("fp4", False): 0.5 + 4 / 64,
-    ("fp4", True): 0.5 + 1 / 64 + 4 / (64 * 256),
-    ("int8", False): 1.0,
-    ("int8", True): 1.0,
-}
+BNB_4BIT_BLOCK = 64  # elements per fp32 absmax (transformers' BitsAndBytesConfig default)
+BNB_NESTED_BLOCK = 256  # absmax values per fp32 scale of the nested (double) quantisation
 
-#: Optimizer state per trainable parameter, as (number of states, dtype rule).
-#: "param" means the state takes the parameter's dtype (torch.optim allocates zeros_like(param)).
-#: bitsandbytes' 8-bit states are uint8 plus one fp32 absmax per 256-element block
-#: (1 + 4/256 bytes each); tensors under 4096 elements keep 32-bit states.
-OPTIMIZER_STATES: dict[str, tuple[int, str]] = {
-    "adamw": (2, "param"),
-    "adamw-fused": (2, "param"),
-    "adamw-8bit": (2, "8bit"),
-    "paged-adamw-8bit": (2, "8bit"),
-    "lion": (1, "param"),
-    "sgd": (1, "param"),
-    "adafactor": (0, "factored"),
-}
-BNB_8BIT_STATE_BYTES = 1 + 4 / 256
+
+def bnb_4bit_tensor_bytes(numel: int, double_quant: bool) -> int:
+    """Bytes of one bitsandbytes 4-bit weight of ``numel`` elements, as ``Params4bit`` and its
+    ``quant_state`` hold it: two values per byte, one fp32 absmax per 64-element block (double
+    quant: uint8 absmax, one fp32 scale per 256 blocks, a 256-entry fp32 code and an fp32
+    offset), and the 16-entry fp32 nf4/fp4 code. Per parameter that is 0.5625 B, or 0.5159 B
+    with double quant (Dettmers et al. 2023, QLoRA, section 3), plus ~1.1 KB per tensor."""
+    blocks = -(-numel // BNB_4BIT_BLOCK)
+    scales = blocks + 4 * -(-blocks // BNB_NESTED_BLOCK) + 256 * 4 + 4 if double_quant else 4 * blocks
+    return -(-numel // 2) + scales + 16 * 4
+
+
+#: bitsandbytes keeps 32-bit optimizer states for tensors under this many elements
+#: (``min_8bit_size``); the per-optimizer rules are in estimator/optimizers.py.
 BNB_MIN_8BIT_SIZE = 4096
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
-from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
+from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE, PRECISION_WEIGHT_DTYPE
 from .lora import adapted_linears, converted_moe
 
 #: Elementwise tensors an activation function saves for backward, in units of its input.
@@ -97,13 +97,36 @@ def masked_layers(model: ModelSpec, setup: Setup) -> int:
     sequence reaches the window (masking_utils._ignore_causal_mask_sdpa); the others run with
     ``is_causal``. A masked call repeats K/V to every head (no ``enable_gqa`` with a mask) and
     CUDA's memory-efficient kernel keeps the mask for backward."""
+    if attention_impl(model, setup) == "eager":
+        return 0
+    if setup.pad_mask:  # a padded batch: every layer gets the boolean padding + causal mask
+        return model.num_layers
     window = model.config.get("sliding_window")
-    if not window or setup.seq < int(window) or attention_impl(model, setup) == "eager":
+    if not window or setup.seq < int(window):
         return 0
     return sliding_layers(model)
 
 
+def mixed(setup: Setup) -> bool:
+    """Mixed precision: fp32 weights and residual stream, matmuls and attention under autocast."""
+    return setup.precision.endswith("-mixed")
+
+
+def autocast_bytes(setup: Setup) -> int:
+    """Bytes of what autocast's lower-precision ops produce (matmuls, SDPA) under mixed
+    precision; otherwise the activations' dtype."""
+    if mixed(setup):
+        return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
+    return compute_bytes(setup)
+
+
 def compute_bytes(setup: Setup) -> int:
+    """Bytes per element of the activations. A quantized base is prepared for k-bit training
+    (peft ``prepare_model_for_kbit_training``), which upcasts the embeddings, norms and head to
+    fp32: the residual stream, every projection's output (bitsandbytes casts its matmul result
+    back to the input's dtype) and the logits are fp32; only the matmuls run in the compute dtype."""
+    if setup.quant != "none":
+        return 4
     return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
 
 
@@ -123,7 +146,8 @@ def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: in
     w, c = width or model.hidden_size, compute_bytes(setup)
     style = traits(model).norm
     if style == "rms":
-        return 4 * w + 4 * rows + (c * w if trainable_weight else 0)
+        # under autocast the residual stream is fp32 (fp32 weights), so the normalised tensor is
+        return 4 * w + 4 * rows + ((4 if mixed(setup) else c) * w if trainable_weight else 0)
     if style == "rms_fp32_mul":
         return 4 * w + 4 * rows + (4 * w if trainable_weight else 0)
     if style == "cohere":
@@ -138,6 +162,8 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
     full = setup.method == "full"
     if model.family == "deepseek_v2" and attention_impl(model, setup) != "eager":
         return mla_attention_bytes(model, setup)
+    if attention_impl(model, setup) != "eager":
+        c = autocast_bytes(setup)  # SDPA under autocast receives (and keeps) half q, k, v
     if attention_impl(model, setup) == "eager":
         # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back to c, the
         # output and o_proj's contiguous copy; Gemma2's soft-capping keeps tanh's output too
@@ -177,9 +203,53 @@ def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, .
     lora_dropout > 0, the dropped-out copy instead, plus its bool mask); lora_B keeps lora_A's
     output. Per token, for one layer that has the Linears of these roles."""
     mask = 1 if setup.lora_dropout > 0 else 0
-    return sum(
-        (4 + mask) * l.in_features + 4 * setup.lora_rank for l in adapted_linears(model, setup) if l.role in roles
-    )
+    adapted = [l for l in adapted_linears(model, setup) if l.role in roles]
+    if mixed(setup) and not mask:
+        # autocast: lora_A and lora_B keep c-byte casts of their (fp32) inputs
+        c = autocast_bytes(setup)
+        return sum(c * l.in_features + c * setup.lora_rank for l in adapted)
+    if compute_bytes(setup) < 4 or mask:
+        return sum((4 + mask) * l.in_features + 4 * setup.lora_rank for l in adapted)
+    # fp32 activations: the cast is a no-op, lora_A keeps the very input the layer computed.
+    # Linears reading the same normed input share it; an output projection reads what the
+    # attention kernel saved (SDPA/flash: a view of its output; eager: a contiguous copy) or the
+    # MLP's product, which nothing else keeps.
+    total, groups = 4.0 * setup.lora_rank * len(adapted), set()
+    for l in adapted:
+        if l.name in OUTPUT_PROJECTIONS:
+            eager = attention_impl(model, setup) == "eager"
+            total += 4 * l.in_features if l.role != "attn" or eager else 0
+        elif l.role not in groups:
+            groups.add(l.role)
+            total += 4 * l.in_features
+    return total
+
+
+def _int8_inputs_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...]) -> float:
+    """bitsandbytes' ``MatMul8bitLt`` keeps its input for backward (``ctx.tensors``, outside
+    autograd's saved tensors). Without autocast that input is what the LoRA adapter keeps too;
+    under autocast the adapter keeps a half copy, so the fp32 inputs add: each norm output once,
+    the MLP's product; the attention output is SDPA's (eager: o_proj's contiguous copy)."""
+    if setup.quant != "int8" or not mixed(setup):
+        return 0.0
+    total, groups = 0.0, set()
+    for l in model.linears:
+        if l.role not in roles or l.role == "head":
+            continue
+        if l.name in OUTPUT_PROJECTIONS:
+            if l.role != "attn":
+                total += 4 * l.in_features * l.count
+            elif attention_impl(model, setup) == "eager":
+                total += autocast_bytes(setup) * l.in_features * l.count
+        elif l.role not in groups:
+            groups.add(l.role)
+            total += 4 * l.in_features * l.count
+    return total / model.num_layers
+
+
+#: Linears that read the attention output or the MLP's hidden activation (not a norm's output).
+OUTPUT_PROJECTIONS = frozenset({"o_proj", "dense", "out_proj", "c_proj", "down_proj", "fc2", "fc_out", "w2",
+                                "dense_4h_to_h"})
 
 
 def layer_bytes_per_token(model: ModelSpec, setup: Setup, which: str | int = "mean") -> float:
@@ -200,12 +270,17 @@ def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "me
     t = traits(model)
     full = setup.method == "full"
     common = t.norms_per_layer * norm_bytes(model, setup, trainable_weight=full)
-    if full:  # inputs of trainable projections: once per distinct norm output
+    if full and mixed(setup):
+        # autocast casts a Linear's fp32 input for each Linear (it caches weights, not
+        # activations): every projection reading a norm's output keeps its own c-byte copy
+        common += sum(c * l.in_features * l.count for l in model.linears
+                      if l.role in ("attn", "mlp") and l.name not in OUTPUT_PROJECTIONS) / model.num_layers
+    elif full:  # inputs of trainable projections: once per distinct norm output
         common += c * h * (1 if t.shared_norm else 2)
     common += attention_bytes(model, setup)
     common += t.dropout_masks_per_layer * h
-    common += _adapter_bytes_per_layer(model, setup, ("attn", "other"))
-    dense = mlp_bytes(model, setup) + _adapter_bytes_per_layer(model, setup, ("mlp",))
+    common += _adapter_bytes_per_layer(model, setup, ("attn", "other")) + _int8_inputs_per_layer(model, setup, ("attn", "other"))
+    dense = mlp_bytes(model, setup) + _adapter_bytes_per_layer(model, setup, ("mlp",)) + _int8_inputs_per_layer(model, setup, ("mlp",))
     if model.moe is None:
         return common, dense
     moe = moe_layer_bytes_per_token(model, setup) + _adapter_bytes_per_layer(model, setup, ("shared_expert", "router"))
@@ -307,6 +382,44 @@ def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup, idx: int) -
     return 4 * widest + 0.64 * i + c * h
 
 
+def lora_forward_peak_per_token(model: ModelSpec, setup: Setup, idx: int) -> float:
+    """The peak inside a layer's forward (a recomputed one, with checkpointing) at its widest
+    LoRA projection, per token, over the layer's input: peft's ``result + lora_B(lora_A(x)) *
+    scaling`` holds the base output (c bytes) beside two fp32 out-sized tensors (lora_B's output
+    and its scaled copy, then the fp32 sum), on top of what the layer saved before it. Fused
+    projections (Phi-3's gate_up_proj, out = 2 i) make this the layer's peak, above its backward.
+    Read off the tracer's op timeline; MoE layers' routed experts are not plain Linears."""
+    if not setup.adapters:
+        return 0.0
+    h, c = model.hidden_size, compute_bytes(setup)
+    mask = 1 if setup.lora_dropout > 0 else 0
+    r = setup.lora_rank
+
+    # fp32 activations (a k-bit-prepared base): the adapter's cast of its input is a no-op
+    copy = 0 if c == 4 and not mask else 4 + mask
+
+    def at(l, before: float) -> float:
+        return before + copy * l.in_features + 4 * r + c * l.out_features + 8 * l.out_features
+
+    common, _ = layer_split_per_token(model, setup, idx)
+    # alive beside the saves: the norm's output being projected, and (MLP side) the residual
+    norm = norm_bytes(model, setup, trainable_weight=False) + c * h
+    peaks, before = [0.0], norm
+    for l in adapted_linears(model, setup):
+        if l.role != "attn" or l.out_features == h and l.in_features == model.q_dim and l.name.endswith(("o_proj", "dense", "out_proj", "c_proj")):
+            continue  # the output projection runs on the attention's output, after its saves
+        peaks.append(at(l, before))
+        before += c * l.out_features + copy * l.in_features + 4 * r
+    if not is_moe_layer(model, idx):
+        act = ACTIVATION_SAVES.get(model.activation, 1)
+        before = common + 2 * c * h
+        ups = [l for l in adapted_linears(model, setup) if l.role == "mlp" and l.out_features != h]
+        for n, l in enumerate(ups):
+            peaks.append(at(l, before))
+            before += (c * l.out_features * (act + 1) if n == 0 and len(ups) > 1 else 0) + copy * l.in_features + 4 * r
+    return max(peaks)
+
+
 def attention_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
     """Gradient temporaries of the attention and norm backward, once the MLP side is freed:
     the fp32 norm gradients dominate (NORM_BACKWARD_H); eager attention's score gradients
@@ -333,7 +446,8 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     if full:
         total += 8 * (2 if model.family == "gpt2" else 1)  # ids for the embedding backward(s)
     if t.rope:
-        total += 2 * (t.rope_bytes or c) * rope_dim(model)  # cos and sin, shared by every layer
+        # cos and sin, shared by every layer, in the residual stream's dtype (fp32 under autocast)
+        total += 2 * (t.rope_bytes or (4 if mixed(setup) else c)) * rope_dim(model)
     if t.embedding_dropout and full:
         total += h
     if masked_layers(model, setup):
@@ -343,15 +457,14 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         total += c * h  # lm_head input
     if setup.loss == "hf":
         total += 4 * V  # log_softmax output (fp32)
-    else:
-        total += c * h  # chunked fused loss: the hidden states' gradient, computed in the forward
+    elif not full:
+        total += c * h  # chunked loss: checkpoint keeps its chunks' input, the final norm's output
     if model.config.get("final_logit_softcapping") and setup.loss == "hf":
         total += c * V  # tanh output of the final soft-capping (Gemma2)
     return total
 
 
-#: Tokens per chunk of a chunked/fused linear + cross-entropy loss (Liger's
-#: LigerFusedLinearCrossEntropyLoss and similar keep the logits of one chunk at a time).
+#: Tokens per chunk of vramplan's chunked loss (vramplan/run/chunked_loss.py).
 LOSS_CHUNK_TOKENS = 1024
 
 
@@ -359,14 +472,20 @@ def loss_transients(model: ModelSpec, setup: Setup) -> tuple[int, int]:
     """Bytes alive at the loss in the forward and at its backward, beyond saved activations.
 
     transformers' ForCausalLMLoss: the c-byte logits and their fp32 copy while log_softmax runs
-    (its fp32 output is saved), then two fp32 N x V gradients in log_softmax's backward. A chunked
-    fused loss never materialises the N x V logits: one chunk's logits, their fp32 copy and
-    gradient at a time, in the forward (it computes the gradient there) and none in backward."""
-    c, V, N = compute_bytes(setup), model.vocab_size, setup.tokens
+    (its fp32 output is saved), then two fp32 N x V gradients in log_softmax's backward.
+    The chunked loss (vramplan/run/chunked_loss.py) holds one chunk of C tokens at a time: in the
+    forward its fp32 logits and log-probabilities (the c-byte logits are freed by the upcast),
+    in the backward the recomputed pair and the fp32 gradient of the logits, beside the c-byte
+    gradient of the hidden states being assembled and (full fine-tuning, more than one chunk) the
+    head weight's gradient of the chunks already done."""
+    c, V, N, h = autocast_bytes(setup), model.vocab_size, setup.tokens, model.hidden_size
     if setup.loss == "hf":
-        return (c + 4) * N * V, 8 * N * V
+        # fp32 logits (fp32 or k-bit-prepared models): ``.float()`` is a no-op, no copy
+        return (c + (4 if c < 4 else 0)) * N * V, 8 * N * V
     chunk = min(N, LOSS_CHUNK_TOKENS)
-    return (c + 8) * chunk * V, 0
+    # full fine-tuning: the head weight's gradient of the chunks done so far waits for the next
+    head_grad = V * h * int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]]) if setup.method == "full" and N > chunk else 0
+    return 8 * chunk * V, 12 * chunk * V + c * N * h + head_grad
 
 
 def rope_dim(model: ModelSpec) -> int:

@@ -27,6 +27,12 @@ class Corrections:
     allocator_fragmentation: float = 0.05
     #: NCCL communicator buffers per process when more than one GPU is used.
     nccl_bytes: int = 600 * MiB
+    #: Measured by ``vramplan calibrate`` (0 in the published defaults): allocated bytes per
+    #: tensor byte beyond 1 (the allocator's 512-byte rounding), and a fixed part of the slack.
+    allocated_rounding: float = 0.0
+    reserved_fixed_bytes: int = 0
+    #: Relative error band of ``device_total_bytes`` from calibration residuals (None: uncalibrated).
+    error_band: float | None = None
     #: Safety margin judged on ``device_total_bytes`` by plan (not by estimate).
     name: str = "published-defaults"
 
@@ -44,8 +50,8 @@ def device_overheads(tensor_peak_bytes: int, gpus: int, gpu, corrections: Correc
     """
     sm90 = gpu is not None and gpu.compute_capability is not None and float(gpu.compute_capability) >= 9.0
     ws = corrections.cublas_handles * (corrections.cublas_workspace_bytes_sm90 if sm90 else corrections.cublas_workspace_bytes)
-    allocated = tensor_peak_bytes + ws
-    reserved = int(allocated * (1 + corrections.allocator_fragmentation))
+    allocated = int(tensor_peak_bytes * (1 + corrections.allocated_rounding)) + ws
+    reserved = int(allocated * (1 + corrections.allocator_fragmentation)) + corrections.reserved_fixed_bytes
     nccl = corrections.nccl_bytes if gpus > 1 else 0
     device_total = reserved + corrections.cuda_context_bytes + nccl
     components = [
@@ -56,3 +62,40 @@ def device_overheads(tensor_peak_bytes: int, gpus: int, gpu, corrections: Correc
     if nccl:
         components.append(("nccl", nccl, ""))
     return allocated, reserved, device_total, components
+
+
+def load_calibrated(gpu=None, path=None) -> Corrections | None:
+    """The corrections ``vramplan calibrate`` fitted (``calibration/coefficients.json``, or
+    ``path``), for ``gpu``'s family and the installed torch when that group was fitted, else the
+    pooled fit; None when there is no coefficients file or nothing was fitted. Pass the result as
+    ``estimate(..., corrections=...)``; its ``error_band`` becomes the Breakdown's."""
+    import json
+    from importlib import metadata
+    from pathlib import Path
+
+    file = Path(path) if path is not None else Path("calibration") / "coefficients.json"
+    try:
+        groups = json.loads(file.read_text())["groups"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        torch_mm = ".".join(metadata.version("torch").split("+")[0].split(".")[:2])
+    except metadata.PackageNotFoundError:
+        torch_mm = "unknown"
+    cc = str(getattr(gpu, "compute_capability", None) or "").replace(".", "")
+    candidates = [f"sm{cc}/torch-{torch_mm}", *sorted(k for k in groups if k.startswith(f"sm{cc}/"))] if cc else []
+    name = next((c for c in (*candidates, "pooled") if c in groups), None)
+    if name is None:
+        return None
+    g = groups[name]
+    ws = max(0, int(g["workspace_bytes"]))
+    return Corrections(
+        cuda_context_bytes=int(g["cuda_context_bytes"]),
+        cublas_workspace_bytes=ws, cublas_workspace_bytes_sm90=ws,
+        cublas_handles=1,
+        allocator_fragmentation=float(g["fragmentation"]),
+        allocated_rounding=float(g["allocated_rounding"]),
+        reserved_fixed_bytes=int(g["fragmentation_fixed_bytes"]),
+        error_band=float(g["error_band"]),
+        name=f"calibrated:{name}",
+    )

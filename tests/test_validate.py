@@ -1,0 +1,92 @@
+"""`vramplan validate`: the quick matrix runs, every verified row holds the 5 % bar, and every knob
+that cannot be verified here says so, with why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from vramplan.cli import main
+from vramplan.validate import KNOBS, matrix, summarize, unverified_rows
+
+pytest.importorskip("torch")
+pytest.importorskip("bitsandbytes")
+
+
+#: Every knob but the distributed ones, whose N-process truth has its own tests and time budget.
+SINGLE = [k for k in KNOBS if k not in ("zero", "fsdp")]
+
+
+@pytest.fixture(scope="module")
+def quick_json():
+    result = CliRunner().invoke(main, ["validate", "--quick", "--json", *(f"--knob={k}" for k in SINGLE)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_quick_matrix_holds_the_bar(quick_json):
+    rows = [r for r in quick_json["rows"] if r["verified"]]
+    assert {r["truth"] for r in rows} == {"trace", "cpu-run"}
+    bad = [(r["knob"], r["setup_text"], r["quantity"], r["error"]) for r in rows if abs(r["error"]) > 0.05]
+    assert not bad, bad
+    canonical = [r for r in rows if r["knob"] == "canonical" and r["quantity"] == "tensor_peak_bytes"]
+    assert canonical and all(abs(r["error"]) <= 0.02 for r in canonical)
+
+
+def test_unverifiable_knobs_are_listed_with_why(quick_json):
+    summary = {s["knob"]: s for s in quick_json["summary"]}
+    for knob in ("gptq_awq", "device_overheads"):
+        assert summary[knob]["verified"] is False and summary[knob]["why"]
+    assert set(summary) == set(SINGLE)
+    unverified = [r for r in quick_json["rows"] if not r["verified"]]
+    assert all(r["why"] and r["error"] is None for r in unverified)
+
+
+def test_default_matrix_covers_every_knob_on_three_families():
+    cases = matrix()
+    for knob in ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
+                 "moe", "loss"):
+        assert len({c.model for c in cases if c.knob == knob}) >= 3, knob
+    optimizers = {c.setup.optimizer for c in cases if c.knob == "optimizer"}
+    assert optimizers == {"adamw-fused", "sgd", "adafactor", "adamw-8bit", "paged-adamw-8bit", "lion"}
+    assert {c.setup.precision for c in cases if c.knob == "precision"} == {"fp32", "fp16", "bf16-mixed", "fp16-mixed"}
+    assert {c.setup.quant for c in cases if c.knob == "quantization"} == {"nf4", "fp4", "int8"}
+    assert set(KNOBS) >= {c.knob for c in cases}
+    assert {r.knob for r in unverified_rows(knobs=("gptq_awq", "device_overheads"))} == {"gptq_awq", "device_overheads"}
+
+
+def test_summary_median_and_worst():
+    from vramplan.accuracy import Row
+    from vramplan.specs import Setup
+
+    rows = [Row("m", "f", Setup(), 100, e, "backward", "backward", knob="optimizer") for e in (101, 97, 102)]
+    rows.append(Row("m", "f", Setup(), 100, 150, "-", "-", knob="optimizer", quantity="weights_bytes"))
+    (s,) = summarize(rows)
+    assert (s.rows, s.median_abs_error, s.worst_error) == (3, pytest.approx(0.02), pytest.approx(-0.03))
+
+
+def test_distributed_knobs_without_rows_are_listed(monkeypatch):
+    """A distributed truth that returns no FSDP rows leaves FSDP listed as not verified, why given."""
+    from vramplan.run import distributed
+
+    monkeypatch.setattr(distributed, "zero_rows", lambda quick: [], raising=False)
+    rows = unverified_rows(True, ("zero", "fsdp"))
+    assert {r.knob for r in rows} == {"zero", "fsdp"} and all(not r.verified and r.why for r in rows)
+
+
+def test_unknown_knob_is_a_one_line_error():
+    result = CliRunner().invoke(main, ["validate", "--knob", "flux"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["error: unknown knob 'flux'; knobs: " + ", ".join(KNOBS)]
+
+
+def test_command_module_does_not_import_torch():
+    code = ("import sys, vramplan.cli, vramplan.commands.validate, vramplan.validate; "
+            "heavy = [m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

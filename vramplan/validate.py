@@ -1,0 +1,227 @@
+"""The validate matrix: every knob of Setup, estimated and checked against a truth no formula wrote.
+
+Each :class:`Case` names a knob, a shipped model, a Setup and the truth that checks it:
+- ``trace``: the fake-tensor trace of the real transformers/peft/torch step (``vramplan.tracer``)
+  on a truncation of the shipped model at its real widths (``layers`` layers; None: the whole
+  model, traced at two depths and extrapolated);
+- ``cpu-run``: a real step on this CPU (``vramplan.run.cpu_truth``) of the model narrowed by
+  :func:`vramplan.run.cpu_truth.shrink_config`, for what fake tensors cannot run (bitsandbytes'
+  quantized layers and optimizers);
+- ``deepspeed-N`` / ``fsdp-N``: rows from the distributed truth, when it is installed.
+
+Knobs that cannot be checked here are rows with ``verified=False`` and the reason. The summary
+gives, per knob, the median and worst relative error of the tensor peak.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from .accuracy import Row
+from .specs import Setup
+
+#: Models of the matrix: three dense families for every knob, three MoE families for MoE routing.
+DENSE = ("meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-7B", "google/gemma-2b")
+MOE = ("mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen1.5-MoE-A2.7B")
+
+#: Narrow CPU models: wide enough for bitsandbytes' 64-element blocks and 4096-element 8-bit
+#: threshold to matter as on real models, small enough for a step in about a second.
+CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
+
+#: Knobs in table order.
+KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
+         "moe", "loss", "gptq_awq", "zero", "fsdp", "device_overheads")
+
+
+@dataclass(frozen=True)
+class Case:
+    knob: str
+    model: str
+    setup: Setup
+    truth: str  # trace | cpu-run
+    layers: int | None = 4  # trace: truncation (None: whole model); cpu-run: see CPU_SHRINK
+    shrink: dict = field(default_factory=lambda: dict(CPU_SHRINK))
+
+
+def _trace_cases(knob: str, models, setups, layers: int | None = 4) -> list[Case]:
+    return [Case(knob, m, s, "trace", layers) for m in models for s in setups]
+
+
+def _cpu_cases(knob: str, models, setups) -> list[Case]:
+    return [Case(knob, m, s, "cpu-run") for m in models for s in setups]
+
+
+def matrix(quick: bool = False) -> list[Case]:
+    """The default matrix (every knob on three families), or the ``quick`` subset run in CI."""
+    s = Setup(seq=512)
+    short = Setup(seq=128)  # weights and states dominate: the optimizer and quantization terms show
+    long = Setup(seq=2048)  # attention's s^2 terms show
+    if quick:
+        m = DENSE[:1]
+        return [
+            *_trace_cases("canonical", m, [Setup(seq=256), Setup(method="lora", seq=256)], layers=2),
+            *_cpu_cases("quantization", m, [short.replace(method="qlora"), short.replace(method="lora", quant="int8")]),
+            *_cpu_cases("optimizer", m, [short.replace(optimizer="adamw-8bit")]),
+            *_trace_cases("optimizer", m, [short.replace(optimizer="adafactor")], layers=2),
+            *_trace_cases("precision", m, [s.replace(precision="bf16-mixed")], layers=2),
+            *_trace_cases("attention", m, [s.replace(attn="eager"), s.replace(pad_mask=True)], layers=2),
+            *_trace_cases("grad_accum", m, [s.replace(grad_accum=2)], layers=2),
+            *_trace_cases("loss", m, [s.replace(loss="chunked", batch=2)], layers=2),
+            *_trace_cases("checkpointing", m, [s.replace(method="lora", checkpointing=True)], layers=2),
+            *_trace_cases("moe", MOE[1:2], [Setup(method="lora", seq=128)], layers=2),
+        ]
+    return [
+        *_trace_cases("canonical", DENSE, [Setup(), Setup(method="lora")], layers=None),
+        *_cpu_cases("canonical", DENSE, [short, short.replace(method="lora")]),
+        *_cpu_cases("quantization", DENSE, [
+            short.replace(method="qlora"),
+            short.replace(method="qlora", double_quant=False),
+            short.replace(method="qlora", quant="fp4"),
+            short.replace(method="qlora", precision="fp16"),
+            short.replace(method="qlora", checkpointing=True, batch=2),
+            short.replace(method="qlora", precision="bf16-mixed"),
+            short.replace(method="lora", quant="int8"),
+            short.replace(method="lora", quant="int8", precision="bf16-mixed"),
+        ]),
+        *_trace_cases("optimizer", DENSE, [short.replace(optimizer=o) for o in ("adamw-fused", "sgd", "adafactor")]
+                      + [short.replace(method="lora", optimizer="adafactor")]),
+        *_cpu_cases("optimizer", DENSE, [short.replace(optimizer=o) for o in ("adamw-8bit", "paged-adamw-8bit", "lion")]
+                    + [short.replace(method="qlora", optimizer="paged-adamw-8bit")]),
+        *_trace_cases("precision", DENSE, [s.replace(precision=p) for p in ("fp32", "fp16", "bf16-mixed", "fp16-mixed")]
+                      + [s.replace(method="lora", precision="bf16-mixed")]),
+        *_trace_cases("attention", DENSE, [long.replace(attn=a) for a in ("sdpa", "eager", "flash")]
+                      + [long.replace(attn="eager", method="lora"), long.replace(attn="eager", checkpointing=True)]
+                      + [long.replace(attn=a, pad_mask=True) for a in ("sdpa", "eager")]
+                      + [long.replace(method="lora", pad_mask=True)]),
+        *_cpu_cases("attention", DENSE[:1], [Setup(seq=512, pad_mask=True), Setup(seq=512, attn="eager", pad_mask=True)]),
+        *_trace_cases("grad_accum", DENSE, [s.replace(grad_accum=4), s.replace(method="lora", grad_accum=4)]),
+        *_trace_cases("checkpointing", DENSE, [s.replace(checkpointing=True, batch=2),
+                                               s.replace(method="lora", checkpointing=True, batch=2)]),
+        *_trace_cases("moe", MOE, [Setup(seq=256), Setup(method="lora", seq=256)], layers=2),
+        *_trace_cases("loss", DENSE, [s.replace(loss="chunked", batch=4), s.replace(method="lora", loss="chunked", batch=4)]),
+        *_cpu_cases("loss", DENSE[:1], [short.replace(loss="chunked", seq=512, batch=4)]),
+    ]
+
+
+def run_case(case: Case) -> list[Row]:
+    """Estimate and truth of one case: the tensor-peak row (and, for a quantized base, the
+    weights row: bytes of the loaded base, quantization state included)."""
+    from .architecture import model_spec_from_config
+    from .estimator import estimate
+    from .profiles import load_model
+
+    model = load_model(case.model)
+    if case.truth == "trace":
+        from .tracer import trace
+
+        spec = model if case.layers is None else model.with_layers(case.layers)
+        t = trace(spec, case.setup)
+        e = estimate(spec, case.setup)
+        rows = [Row(case.model, spec.family, case.setup, t.tensor_peak_bytes, e.tensor_peak_bytes, t.phase, e.phase,
+                    truth="trace", knob=case.knob, estimate_headline=_headline(e))]
+        return rows + _phase_rows(case, spec.family, t.phase_peaks_bytes, e.phase_peaks_bytes, "trace")
+    from .run.cpu_truth import run_step, shrink_config
+
+    cfg = shrink_config(model.config, **case.shrink)
+    spec = model_spec_from_config(cfg, name=f"{model.name}[narrow]", source=model.source)
+    t = run_step(cfg, case.setup)
+    e = estimate(spec, case.setup)
+    rows = [Row(case.model, spec.family, case.setup, t.tensor_peak_bytes, e.tensor_peak_bytes, t.phase, e.phase,
+                truth="cpu-run", knob=case.knob, estimate_headline=_headline(e))]
+    rows += _phase_rows(case, spec.family, t.phase_peaks_bytes, e.phase_peaks_bytes, "cpu-run")
+    if case.setup.quant != "none":
+        rows.append(Row(case.model, spec.family, case.setup, t.weights_bytes,
+                        e.component("weights") + e.component("adapters"), "-", "-", truth="cpu-run",
+                        knob=case.knob, quantity="weights_bytes"))
+    if t.paged_bytes:
+        rows.append(Row(case.model, spec.family, case.setup, t.paged_bytes, e.component("paged_optimizer_states"),
+                        "-", "-", truth="cpu-run", knob=case.knob, quantity="paged_bytes"))
+    return rows
+
+
+def _headline(bd) -> tuple[int, int, int, int]:
+    return bd.tensor_peak_bytes, bd.peak_allocated_bytes, bd.peak_reserved_bytes, bd.device_total_bytes
+
+
+#: The phase each knob acts on, compared besides the tensor peak (which may lie elsewhere).
+KNOB_PHASES = {"optimizer": ("optimizer",), "grad_accum": ("forward",), "loss": ("forward", "backward"),
+               "attention": ("forward", "backward"), "precision": ("forward", "backward", "optimizer")}
+
+
+def _phase_rows(case: Case, family: str, truth: dict, est: dict, truth_name: str) -> list[Row]:
+    return [Row(case.model, family, case.setup, truth[ph], est[ph], ph, ph, truth=truth_name, knob=case.knob,
+                quantity=f"{ph}_peak_bytes") for ph in KNOB_PHASES.get(case.knob, ())]
+
+
+def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = ()) -> list[Row]:
+    """Rows of the knobs ``matrix`` does not cover (all, or those of ``knobs``): the distributed
+    truth's (``vramplan.run.distributed.zero_rows``, N real processes) for ZeRO/FSDP, and the
+    knobs with no truth on this machine, each with why."""
+    wanted = set(knobs or KNOBS)
+    rows: list[Row] = []
+    if wanted & {"zero", "fsdp"}:
+        try:
+            from .run import (
+                distributed,  # the ZeRO/FSDP truth (N CPU processes), when installed
+            )
+        except ImportError:
+            distributed = None
+        zero_rows = getattr(distributed, "zero_rows", None)
+        if zero_rows is not None:
+            rows += [r for r in zero_rows(quick) if r.knob in wanted]
+        for knob in sorted(wanted & {"zero", "fsdp"} - {r.knob for r in rows}):
+            rows.append(_unverified(knob, Setup(zero_stage=2, gpus=2) if knob == "zero" else Setup(gpus=2),
+                                    f"no {knob} rows from the N-process truth (vramplan.run.distributed.zero_rows) yet"))
+    if "gptq_awq" in wanted:
+        rows.append(_unverified("gptq_awq", Setup(method="lora"),
+                                "not modelled: GPTQ/AWQ bases are not a Setup choice yet, and their kernels "
+                                "(auto-gptq, autoawq) do not run on this CPU"))
+    if "device_overheads" in wanted:
+        rows.append(_unverified("device_overheads", Setup(),
+                                "needs a CUDA device: CUDA context, cuBLAS workspaces, NCCL and the caching "
+                                "allocator's slack are published figures (estimator/corrections.py) until a GPU "
+                                "measures them; CPU truths compare the tensor peak only"))
+    return rows
+
+
+def _unverified(knob: str, setup: Setup, why: str) -> Row:
+    return Row("-", "-", setup, 0, 0, "-", "-", truth="none", knob=knob, verified=False, why=why)
+
+
+@dataclass(frozen=True)
+class KnobSummary:
+    knob: str
+    rows: int
+    median_abs_error: float | None
+    worst_error: float | None
+    verified: bool
+    why: str = ""
+
+
+def summarize(rows: list[Row], quantity: str = "tensor_peak_bytes") -> list[KnobSummary]:
+    """Median |error| and worst error of ``quantity`` per knob, in KNOBS order."""
+    out = []
+    for knob in sorted({r.knob for r in rows}, key=lambda k: KNOBS.index(k) if k in KNOBS else len(KNOBS)):
+        mine = [r for r in rows if r.knob == knob]
+        errs = [r.error for r in mine if r.verified and r.quantity == quantity]
+        if errs:
+            out.append(KnobSummary(knob, len(errs), statistics.median(abs(e) for e in errs), max(errs, key=abs), True))
+        elif all(not r.verified for r in mine):
+            out.append(KnobSummary(knob, 0, None, None, False, mine[0].why))
+    return out
+
+
+def row_json(row: Row) -> dict:
+    from .cli import describe
+
+    return {
+        "knob": row.knob, "model": row.model, "family": row.family, "setup": row.setup.to_dict(),
+        "setup_text": describe(row.setup), "truth": row.truth, "quantity": row.quantity,
+        "truth_bytes": row.truth_bytes, "estimated_bytes": row.estimated_bytes,
+        "truth_phase": row.traced_phase, "estimated_phase": row.estimated_phase,
+        "error": row.error if row.verified and row.truth_bytes else None,
+        "verified": row.verified, "why": row.why,
+        "estimate_headline_bytes": dict(zip(("tensor_peak", "peak_allocated", "peak_reserved", "device_total"),
+                                            row.estimate_headline, strict=True)) if row.estimate_headline else None,
+    }
