@@ -6,7 +6,7 @@
 # For a machine whose Python has torch (CUDA), transformers, accelerate and peft, but not
 # bitsandbytes, deepspeed or nvidia-ml-py, and no network: those are installed from wheels
 # carried in calibration/wheels/ (git-ignored). Build them on a machine with the same Python
-# version and platform (see docs/measure.md):
+# version and platform (see docs/commands/measure.md):
 #   pip wheel --no-deps --no-build-isolation deepspeed -w calibration/wheels
 #   pip download --only-binary :all: --no-deps --python-version 3.11 --platform manylinux_2_24_x86_64 \
 #       bitsandbytes nvidia-ml-py hjson msgpack ninja py-cpuinfo -d calibration/wheels
