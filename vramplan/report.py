@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .fileio import atomic_write_text
-from .specs import Breakdown, Plan
+from .specs import PHASES, Breakdown, Plan
 from .units import GiB
 
 #: Component -> (rich colour, HTML colour). Unknown components share the last entry's grey.
@@ -45,11 +45,12 @@ class Segment:
 
 
 def memory_segments(bd: Breakdown) -> list[Segment]:
-    """The GPU components live in the peak phase, scaled so they add up to ``device_total_bytes``.
+    """The GPU components live in the peak phase, adding up to ``device_total_bytes``.
 
-    The estimator's phase peak is a maximum over moments, so the live terms can add up to slightly
-    more (transients that never coexist) or less than it; the bar shows the total the fit is
-    judged on, split in proportion. CUDA context, workspaces and allocator slack become "overhead".
+    The estimator's phase peak is a maximum over moments, so the live terms can add up to more
+    (transients that never coexist) or less than it; the bar shows the total the fit is judged
+    on: terms live in every phase at their size, the phase-bound terms sharing what is left in
+    proportion. CUDA context, workspaces and allocator slack become "overhead".
     """
     live = [c for c in bd.components if c.where == "gpu" and bd.phase in c.phases and c.bytes > 0]
     overhead_names = {"cuda_context", "cublas_workspace", "allocator_overhead", "nccl"}
@@ -60,7 +61,14 @@ def memory_segments(bd: Breakdown) -> list[Segment]:
     total = sum(named.values())
     target = bd.device_total_bytes
     if total > target > 0:
-        named = {k: int(v * target / total) for k, v in named.items()}
+        # Terms live in every phase (weights, adapters, optimizer states, overheads) are in the
+        # peak at their full size; only the phase-bound ones (gradients, activations, transients,
+        # which peak at different moments) are shrunk to what the peak leaves them.
+        always = {c.name for c in live if set(c.phases) >= set(PHASES)} | {"overhead"}
+        fixed = sum(v for k, v in named.items() if k in always)
+        rest = total - fixed
+        room = max(target - fixed, 0)
+        named = {k: (v if k in always or not rest else int(v * room / rest)) for k, v in named.items()}
     elif total < target:
         named["other"] = named.get("other", 0) + target - total
     out = []
