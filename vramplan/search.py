@@ -415,18 +415,7 @@ class _Search:
         if lo + 1 >= hi:
             return best
         if lo:  # from a lower rank's answer: usually the next one fails (known without an estimate)
-            nxt = self.judge(self.at_micro(setup, mbs[lo + 1]))
-            if not nxt.fits:
-                return best
-            best, lo = nxt, lo + 1
-            while lo + 1 < hi:
-                mid = (lo + hi) // 2
-                c = self.judge(self.at_micro(setup, mbs[mid]))
-                if c.fits:
-                    best, lo = c, mid
-                else:
-                    hi = mid
-            return best
+            return self._step_then_bisect(setup, best, lo, hi)
         second = self.judge(self.at_micro(setup, mbs[1]))
         if not second.fits:
             return best
@@ -446,6 +435,12 @@ class _Search:
                 best, lo = c, guess
             else:
                 hi = guess
+        return self._step_then_bisect(setup, best, lo, hi)
+
+    def _step_then_bisect(self, setup: Setup, best: Candidate, lo: int, hi: int) -> Candidate:
+        """Given ``mbs[lo]`` fits (``best``) and ``mbs[hi]`` does not (or is past the end): try the
+        next micro-batch first (usually the answer), then bisect what is left."""
+        mbs = self.shape.micro_batches
         if lo + 1 < hi:
             nxt = self.judge(self.at_micro(setup, mbs[lo + 1]))
             if not nxt.fits:

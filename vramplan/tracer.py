@@ -162,7 +162,9 @@ def _attn_impl(setup: Setup, default: str) -> str:
     return "sdpa" if setup.attn == "flash" else setup.attn
 
 
-def _make_optimizer(setup: Setup, params):
+def make_optimizer(setup: Setup, params):
+    """The torch optimizer of ``setup`` as the canonical step builds it (also the client optimizer
+    of the real runs in vramplan.run); bitsandbytes ones raise NotTraceable."""
     import torch
 
     if setup.optimizer == "adamw":
@@ -410,7 +412,7 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
         trainable = [p for p in params if p.requires_grad]
         for t in itertools.chain(params, model.buffers()):
             tracker.track(t)
-        opt = _make_optimizer(setup, trainable)
+        opt = make_optimizer(setup, trainable)
         _label_backward_moments(model, tracker, hf_cfg.num_hidden_layers)
 
         def classify(live: dict[int, int]) -> dict[str, int]:

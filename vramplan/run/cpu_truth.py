@@ -183,9 +183,9 @@ def build_model(config: dict, setup: Setup):
 def make_optimizer(setup: Setup, params):
     """The optimizer of ``setup`` (bitsandbytes for its 8-bit, paged and Lion choices)."""
     if setup.optimizer not in BNB_OPTIMIZERS:
-        from ..tracer import _make_optimizer
+        from ..tracer import make_optimizer
 
-        return _make_optimizer(setup, params)
+        return make_optimizer(setup, params)
     import warnings
 
     import bitsandbytes as bnb

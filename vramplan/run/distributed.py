@@ -365,15 +365,11 @@ def _host_tensors(engine, setup: Setup):
 
 
 def _client_optimizer(setup: Setup, params):
-    import torch
+    from ..tracer import make_optimizer
 
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
-    if setup.optimizer == "adamw-fused":
-        return torch.optim.AdamW(params, lr=1e-5, fused=True)
-    if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=True)
-    raise SpecError(f"the ZeRO truth runs torch optimizers (adamw, adamw-fused, sgd); not {setup.optimizer!r}")
+    if setup.optimizer not in ("adamw", "adamw-fused", "sgd"):
+        raise SpecError(f"the ZeRO truth runs torch optimizers (adamw, adamw-fused, sgd); not {setup.optimizer!r}")
+    return make_optimizer(setup, params)
 
 
 def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_path: str = "") -> dict:
