@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO: per-rank estimate vs the real N-process run. Prints; asserts nothing.
 
-    python benchmarks/zero_accuracy.py              # N in {1, 2, 4} x stages 1-3 x CPU/NVMe offload (9 setups)
+    python benchmarks/zero_accuracy.py              # N in {1, 2, 4} x stages 1-3 x CPU/NVMe offload, and LoRA (16 setups)
     python benchmarks/zero_accuracy.py --worlds 1 2 # fewer world sizes
     python benchmarks/zero_accuracy.py --timing     # also the estimator's time per ZeRO estimate
 
@@ -18,6 +18,7 @@ import argparse
 import time
 
 from vramplan.run.distributed import (
+    LORA_MATRIX,
     NVME_MATRIX,
     OTHER_BASES,
     TINY_BASE,
@@ -37,7 +38,8 @@ def _name(s: Setup) -> str:
         off.append(f"opt->{s.offload_optimizer}")
     if s.offload_params != "none":
         off.append(f"params->{s.offload_params}")
-    return f"ZeRO-{s.zero_stage} {' '.join(off) or 'no offload'}"
+    extra = (" LoRA" if s.adapters else "") + (" ckpt" if s.checkpointing else "")
+    return f"ZeRO-{s.zero_stage}{extra} {' '.join(off) or 'no offload'}"
 
 
 def main() -> None:
@@ -55,7 +57,7 @@ def main() -> None:
     if not nvme:
         print("NVMe offload not run: DeepSpeed's async_io op does not build here (it needs libaio-dev)")
     t_all = time.perf_counter()
-    launches = [(TINY_BASE, w, ZERO_MATRIX + (NVME_MATRIX if nvme else ())) for w in args.worlds]
+    launches = [(TINY_BASE, w, ZERO_MATRIX + (NVME_MATRIX if nvme else ()) + LORA_MATRIX) for w in args.worlds]
     if not args.no_other_shapes:
         launches += [(base, 2, ZERO_MATRIX) for base in OTHER_BASES]
     for base, world, matrix in launches:

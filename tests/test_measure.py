@@ -41,14 +41,6 @@ SETUPS = {
     "zero3-2ranks": Setup(seq=SEQ, zero_stage=3, gpus=2),
 }
 
-#: Terms the estimate of the canonical step does not have and the emitted train.py adds
-#: (measured in these runs; see the report of issue 6). The tolerance stays 5 %.
-KNOWN_GAPS = {
-    "zero2": "DeepSpeed's optimizer step (engine.step) holds 2 bytes/param more than the estimate's optimizer phase "
-             "(measured 70.81 MB vs 64.91 MB; forward and backward agree within 0.3 %): a bf16 gradient copy",
-    "zero2-2ranks": "as ZeRO-2 at one rank, divided by the ranks: +2.95 MB in DeepSpeed's optimizer step",
-}
-
 
 def _plan(tmp_path, name: str) -> tuple[Plan, str, dict]:
     scale = dict(m.DEFAULT_SCALE)
@@ -133,10 +125,7 @@ def test_cpu_run_records_measured_peaks(runs, name):
     assert meas.provenance["versions"]["torch"] and meas.provenance["date"]
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n])) if n in KNOWN_GAPS else n
-    for n in SETUPS
-])
+@pytest.mark.parametrize("name", list(SETUPS))
 def test_tensor_peak_estimate_within_5_percent(runs, name):
     meas = runs[name]
     est, got = meas.estimate["tensor_peak_bytes"], meas.measured["tensor_peak_bytes"]

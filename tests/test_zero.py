@@ -28,9 +28,14 @@ from vramplan.run.distributed import (
 
 TOLERANCE = 0.10  # the bar for ZeRO, per rank
 
-N1 = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}]
-N2 = [*N1, {"zero_stage": 2, "offload_optimizer": "cpu"},
-      {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}]
+FULL = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}]
+#: LoRA: 16-bit adapters at stage 1/2, fp32 at stage 3 (16-bit once offloaded), frozen inputs kept
+LORA = [{"zero_stage": 2, "method": "lora"}, {"zero_stage": 3, "method": "lora"}]
+N1 = [*FULL, *LORA]
+N2 = [*FULL, {"zero_stage": 2, "offload_optimizer": "cpu"},
+      {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+      *LORA, {"zero_stage": 3, "method": "lora", "offload_optimizer": "cpu", "offload_params": "cpu"},
+      {"zero_stage": 3, "method": "lora", "checkpointing": True}]
 NVME = {"zero_stage": 3, "offload_optimizer": "nvme"}
 if nvme_available():  # DeepSpeed's async_io op needs libaio-dev
     N2.append(NVME)

@@ -130,6 +130,22 @@ def compute_bytes(setup: Setup) -> int:
     return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
 
 
+def adapter_dtype_bytes(setup: Setup) -> int:
+    """Bytes per element of the LoRA adapters' weights and of what they compute. peft upcasts the
+    adapters to fp32 (``autocast_adapter_dtype=True``) and casts each adapter's input to that dtype.
+    DeepSpeed with bf16/fp16 casts every parameter to 16 bits at ``initialize``
+    (``DeepSpeedEngine._cast_module_mixed_precision``), the adapters included, except on a model
+    built under ``zero.Init``, whose parameters it leaves as they are: at stage 3 (transformers
+    loads the base under ``zero.Init``, peft adds its fp32 adapters after) they stay fp32, unless
+    the parameters are offloaded: stage 3 then copies the trainable partitions into 16-bit host
+    buffers (``param_groups_fp16_flat_cpu_memory``), which the adapters become views of."""
+    if setup.precision == "fp32" or not setup.zero_stage:
+        return 4
+    if setup.zero_stage in (1, 2) or setup.offload_params != "none":
+        return 2
+    return 4
+
+
 def attention_impl(model: ModelSpec, setup: Setup) -> str:
     return model.default_attn if setup.attn == "auto" else setup.attn
 
@@ -199,30 +215,53 @@ def mlp_bytes(model: ModelSpec, setup: Setup) -> float:
 
 
 def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...]) -> float:
-    """peft casts each adapter's input to the adapter dtype (fp32) and lora_A keeps it (with
-    lora_dropout > 0, the dropped-out copy instead, plus its bool mask); lora_B keeps lora_A's
-    output. Per token, for one layer that has the Linears of these roles."""
+    """peft casts each adapter's input to the adapter dtype (a bytes: ``adapter_dtype_bytes``) and
+    lora_A keeps it (with lora_dropout > 0, the dropped-out copy instead, plus its bool mask);
+    lora_B keeps lora_A's output. Per token, for one layer that has the Linears of these roles."""
     mask = 1 if setup.lora_dropout > 0 else 0
+    a = adapter_dtype_bytes(setup)
     adapted = [l for l in adapted_linears(model, setup) if l.role in roles]
-    if mixed(setup) and not mask:
+    if mixed(setup) and a == 4 and not mask:
         # autocast: lora_A and lora_B keep c-byte casts of their (fp32) inputs
         c = autocast_bytes(setup)
         return sum(c * l.in_features + c * setup.lora_rank for l in adapted)
-    if compute_bytes(setup) < 4 or mask:
-        return sum((4 + mask) * l.in_features + 4 * setup.lora_rank for l in adapted)
-    # fp32 activations: the cast is a no-op, lora_A keeps the very input the layer computed.
-    # Linears reading the same normed input share it; an output projection reads what the
-    # attention kernel saved (SDPA/flash: a view of its output; eager: a contiguous copy) or the
-    # MLP's product, which nothing else keeps.
-    total, groups = 4.0 * setup.lora_rank * len(adapted), set()
-    for l in adapted:
+    if a == compute_bytes(setup) and not mask:
+        # the cast is a no-op (fp32 activations of a k-bit-prepared base, or 16-bit adapters under
+        # DeepSpeed stage 1/2): lora_A keeps the very input the layer computed
+        return _shared_linear_inputs(model, setup, adapted, a) + a * setup.lora_rank * len(adapted)
+    return sum((a + mask) * l.in_features + a * setup.lora_rank for l in adapted)
+
+
+def _shared_linear_inputs(model: ModelSpec, setup: Setup, linears: list, nbytes: int) -> float:
+    """Inputs kept for the backward of these Linears of one layer when each keeps the very tensor
+    it reads (no cast): Linears reading the same normed input share it; an output projection
+    reads what the attention kernel saved (SDPA/flash: a view of its output; eager: a contiguous
+    copy) or the MLP's product, which nothing else keeps. Per token."""
+    total, groups = 0.0, set()
+    for l in linears:
         if l.name in OUTPUT_PROJECTIONS:
             eager = attention_impl(model, setup) == "eager"
-            total += 4 * l.in_features if l.role != "attn" or eager else 0
+            total += nbytes * l.in_features if l.role != "attn" or eager else 0
         elif l.role not in groups:
             groups.add(l.role)
-            total += 4 * l.in_features
+            total += nbytes * l.in_features
     return total
+
+
+def _zero3_frozen_inputs_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...]) -> float:
+    """Under ZeRO-3, ``zero.Init`` replaces ``F.linear`` with ``LinearFunctionForZeroStage3``,
+    which saves every Linear's input for the backward, a frozen base Linear's too (autograd's own
+    matmul keeps it only for a weight that trains). With adapters whose input is a cast copy, the
+    base Linears' c-byte inputs add: each norm output once, the MLP's product (fp32 adapters on
+    16-bit activations; 16-bit adapters read, and keep, those very tensors already). Per token,
+    dense layers (an MoE layer's experts are not Linears)."""
+    if setup.method == "full" or setup.zero_stage != 3 or setup.quant != "none":
+        return 0.0
+    c = compute_bytes(setup)
+    kept = _shared_linear_inputs(model, setup, [l for l in model.linears if l.role in roles], c)
+    if adapter_dtype_bytes(setup) == c and setup.lora_dropout == 0:
+        kept -= _shared_linear_inputs(model, setup, [l for l in adapted_linears(model, setup) if l.role in roles], c)
+    return kept
 
 
 def _int8_inputs_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...]) -> float:
@@ -280,7 +319,9 @@ def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "me
     common += attention_bytes(model, setup)
     common += t.dropout_masks_per_layer * h
     common += _adapter_bytes_per_layer(model, setup, ("attn", "other")) + _int8_inputs_per_layer(model, setup, ("attn", "other"))
+    common += _zero3_frozen_inputs_per_layer(model, setup, ("attn", "other"))
     dense = mlp_bytes(model, setup) + _adapter_bytes_per_layer(model, setup, ("mlp",)) + _int8_inputs_per_layer(model, setup, ("mlp",))
+    dense += _zero3_frozen_inputs_per_layer(model, setup, ("mlp",))
     if model.moe is None:
         return common, dense
     moe = moe_layer_bytes_per_token(model, setup) + _adapter_bytes_per_layer(model, setup, ("shared_expert", "router"))
@@ -376,30 +417,31 @@ def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup, idx: int) -
     i = model.intermediate_size
     if setup.method == "full":
         return c * (3 * i + h)
-    # LoRA: the fp32 gradient of the widest adapted MLP projection's lora_B output, beside the
-    # c-byte gradients of the gate/up product
+    # LoRA: the gradient of the widest adapted MLP projection's lora_B output (in the adapter
+    # dtype), beside the c-byte gradients of the gate/up product
     widest = max((l.out_features for l in adapted_linears(model, setup) if l.role == "mlp"), default=i)
-    return 4 * widest + 0.64 * i + c * h
+    return adapter_dtype_bytes(setup) * widest + 0.64 * i + c * h
 
 
 def lora_forward_peak_per_token(model: ModelSpec, setup: Setup, idx: int) -> float:
     """The peak inside a layer's forward (a recomputed one, with checkpointing) at its widest
     LoRA projection, per token, over the layer's input: peft's ``result + lora_B(lora_A(x)) *
-    scaling`` holds the base output (c bytes) beside two fp32 out-sized tensors (lora_B's output
-    and its scaled copy, then the fp32 sum), on top of what the layer saved before it. Fused
+    scaling`` holds the base output (c bytes) beside two out-sized tensors in the adapter dtype
+    (lora_B's output and its scaled copy, then the sum), on top of what the layer saved before it. Fused
     projections (Phi-3's gate_up_proj, out = 2 i) make this the layer's peak, above its backward.
     Read off the tracer's op timeline; MoE layers' routed experts are not plain Linears."""
     if not setup.adapters:
         return 0.0
     h, c = model.hidden_size, compute_bytes(setup)
     mask = 1 if setup.lora_dropout > 0 else 0
-    r = setup.lora_rank
+    r, a = setup.lora_rank, adapter_dtype_bytes(setup)
 
-    # fp32 activations (a k-bit-prepared base): the adapter's cast of its input is a no-op
-    copy = 0 if c == 4 and not mask else 4 + mask
+    # adapters in the activations' dtype (fp32 of a k-bit-prepared base, 16-bit under DeepSpeed
+    # stage 1/2): the adapter's cast of its input is a no-op
+    copy = 0 if c == a and not mask else a + mask
 
     def at(l, before: float) -> float:
-        return before + copy * l.in_features + 4 * r + c * l.out_features + 8 * l.out_features
+        return before + copy * l.in_features + a * r + c * l.out_features + 2 * a * l.out_features
 
     common, _ = layer_split_per_token(model, setup, idx)
     # alive beside the saves: the norm's output being projected, and (MLP side) the residual
@@ -409,14 +451,14 @@ def lora_forward_peak_per_token(model: ModelSpec, setup: Setup, idx: int) -> flo
         if l.role != "attn" or l.out_features == h and l.in_features == model.q_dim and l.name.endswith(("o_proj", "dense", "out_proj", "c_proj")):
             continue  # the output projection runs on the attention's output, after its saves
         peaks.append(at(l, before))
-        before += c * l.out_features + copy * l.in_features + 4 * r
+        before += c * l.out_features + copy * l.in_features + a * r
     if not is_moe_layer(model, idx):
         act = ACTIVATION_SAVES.get(model.activation, 1)
         before = common + 2 * c * h
         ups = [l for l in adapted_linears(model, setup) if l.role == "mlp" and l.out_features != h]
         for n, l in enumerate(ups):
             peaks.append(at(l, before))
-            before += (c * l.out_features * (act + 1) if n == 0 and len(ups) > 1 else 0) + copy * l.in_features + 4 * r
+            before += (c * l.out_features * (act + 1) if n == 0 and len(ups) > 1 else 0) + copy * l.in_features + a * r
     return max(peaks)
 
 
@@ -453,8 +495,8 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     if masked_layers(model, setup):
         total += setup.seq  # the (b, 1, s, s) bool sliding-window mask, shared by the layers
     total += norm_bytes(model, setup, trainable_weight=full)
-    if full:
-        total += c * h  # lm_head input
+    if full or (setup.zero_stage == 3 and setup.quant == "none" and setup.loss == "hf"):
+        total += c * h  # lm_head input (ZeRO-3's F.linear keeps a frozen head's too)
     if setup.loss == "hf":
         total += 4 * V  # log_softmax output (fp32)
     elif not full:

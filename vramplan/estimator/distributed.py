@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
+from .activations import adapter_dtype_bytes
+from .lora import adapted_linears
 
 
 def zero_config(model: ModelSpec, setup: Setup) -> dict:
@@ -112,6 +114,13 @@ def _persistent_params(model: ModelSpec, threshold: int) -> int:
     return n
 
 
+def _largest_trainable(model: ModelSpec, setup: Setup) -> int:
+    """The largest trainable parameter: a LoRA factor (r x in or out x r) under adapters."""
+    if not setup.adapters:
+        return _largest_param(model)
+    return max((setup.lora_rank * max(l.in_features, l.out_features) for l in adapted_linears(model, setup)), default=0)
+
+
 def _largest_param(model: ModelSpec) -> int:
     sizes = [l.weight_params for l in model.linears]
     sizes += [n for name, n in model.other_params if name == "embed_tokens"]
@@ -143,13 +152,18 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
     t_step = 4 * part if foreach and not (off_opt and setup.optimizer in ("adamw", "adamw-fused")) else 0
     if stage in (1, 2):
         weights = total * pb  # bit16_groups_flat: the whole model, every rank
+        if setup.adapters:  # the frozen base as loaded, and the adapters (cast to pb) flattened
+            weights += pb * trainable
         grad_part = 0 if off_opt else pb * part  # grads_in_partition
         buckets = 2 * bucket  # ipg buckets, double-buffered with overlap_comm
         # step: the gradient partition flattened (a 16-bit copy) and converted to fp32, then the
-        # inner step on the fp32 gradient (the 16-bit partition is freed by then)
-        step = max(grad_part + pb * part + 4 * part, 4 * part + t_step)
+        # inner step on the fp32 gradient. The 16-bit partition (one buffer for all groups) is
+        # freed with the last group's gradients: the HF Trainer gives full fine-tuning two groups
+        # (weight decay, then biases and norms), so the first, nearly all, steps beside it
+        kept = grad_part if setup.method == "full" else 0
+        step = max(grad_part + pb * part + 4 * part, kept + 4 * part + t_step)
         if off_opt:
-            largest = _largest_param(model) * pb
+            largest = _largest_trainable(model, setup) * pb
             staging = largest  # temp_grad_buffer_for_gpu_offload
             host_terms = [("fp32 master partition", master), ("fp32 gradient partition", 4 * part),
                           ("16-bit staging partition", pb * part), ("gradient staging buffer", largest),
@@ -160,6 +174,10 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
     else:
         persistent = _persistent_params(model, cfg["stage3_param_persistence_threshold"])
         weights = pb * (-(-total // n)) + pb * persistent
+        # peft's adapters, added after zero.Init, keep their dtype (adapter_dtype_bytes): the
+        # rank's partition of them (lp_param_buffer)
+        adapters = adapter_dtype_bytes(setup) * part if setup.adapters else 0
+        weights += adapters
         grad_part = pb * part  # grad_partitions_flat_buffer, allocated at initialize
         buckets = bucket
         sub = min(part, SUB_GROUP_SIZE)
@@ -168,6 +186,12 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
         # no prefetch and stage3_max_reuse_distance 0 (zero_config): a module's parameters are
         # gathered while it runs and released after
         gathered = pb * _largest_param(model)
+        if setup.checkpointing and n > 1:
+            # a recomputed layer keeps all its parameters gathered through its backward
+            L = max(model.num_layers, 1)
+            layer = sum(l.params for l in model.linears if l.role != "head")
+            layer = (layer + sum(k for name, k in model.other_params if name in ("experts", "router", "qk_norms"))) // L
+            gathered = max(gathered, pb * layer + adapter_dtype_bytes(setup) * (trainable // L if setup.adapters else 0))
         static_grad = True
         if off_opt:
             host_terms = [("fp32 master partition", master), ("16-bit gradient partition", grad_part),
@@ -179,7 +203,7 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
             # it) fp32 buffers of the largest sub-group (swap_tensor/optimizer_utils.py)
             host_terms.append(("NVMe swap buffers", 4 * 4 * sub))
         if off_par:
-            host_terms.append(("16-bit parameter partition", pb * (-(-total // n))))
+            host_terms.append(("16-bit parameter partition", pb * (-(-total // n)) + adapters))
             weights = pb * persistent
     host = sum(b for _, b in host_terms)
     return ZeroMemory(weights=weights, master=master, states=states, grad_partition=grad_part,
