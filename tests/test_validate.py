@@ -17,8 +17,9 @@ pytest.importorskip("torch")
 pytest.importorskip("bitsandbytes")
 
 
-#: Every knob but the distributed ones, whose N-process truth has its own tests and time budget.
-SINGLE = [k for k in KNOBS if k not in ("zero", "fsdp")]
+#: Every knob but the distributed ones, whose N-process truth has its own tests and time budget,
+#: and the measured records (tested below on records written here).
+SINGLE = [k for k in KNOBS if k not in ("zero", "fsdp", "measured")]
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,32 @@ def test_command_module_does_not_import_torch():
             "assert not heavy, heavy")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_measured_column_reads_the_records(tmp_path):
+    from vramplan import estimate, load_gpu, load_model
+    from vramplan.measure import Measurement, save
+    from vramplan.specs import Setup
+    from vramplan.validate import measured_rows
+
+    empty = measured_rows(tmp_path / "none")
+    assert len(empty) == 1 and not empty[0].verified and "vramplan measure" in empty[0].why
+
+    setup = Setup(method="lora", checkpointing=True)
+    est = estimate(load_model("qwen2-0.5b"), setup, load_gpu("h200")).to_json()
+    measured = {"tensor_peak_bytes": est["tensor_peak_bytes"], "peak_allocated_bytes": int(est["peak_allocated_bytes"] * 1.02),
+                "peak_reserved_bytes": int(est["peak_reserved_bytes"] * 0.9), "device_total_bytes": est["device_total_bytes"],
+                "oom": False}
+    for device, meas in (("cuda", measured), ("cpu", {"tensor_peak_bytes": est["tensor_peak_bytes"] // 2, "oom": False}),
+                         ("cuda", {"oom": True, "oom_phase": "backward"}), ("cuda", {"failed": True, "timeout": True})):
+        save(Measurement("Qwen/Qwen2-0.5B", setup, device, 3, est, meas, {"gpu_name": "NVIDIA H200"}), tmp_path)
+    rows = measured_rows(tmp_path)
+    by = {(r.truth, r.quantity): r for r in rows}
+    assert set(by) == {("measured", "tensor_peak_bytes"), ("measured", "peak_allocated_bytes"),
+                       ("measured", "peak_reserved_bytes"), ("measured", "device_total_bytes"),
+                       ("measured-cpu", "tensor_peak_bytes")}  # the OOM and the failed run are no comparison
+    assert by[("measured", "peak_allocated_bytes")].error == pytest.approx(1 / 1.02 - 1, abs=1e-6)
+    assert by[("measured-cpu", "tensor_peak_bytes")].error == pytest.approx(1.0, abs=1e-6)
+    assert all(r.knob == "measured" and r.verified for r in rows)
+    summary = {s.knob: s for s in summarize(rows)}
+    assert summary["measured"].rows == 2  # the tensor peak of each complete run

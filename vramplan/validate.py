@@ -15,6 +15,8 @@ gives, per knob, the median and worst relative error of the tensor peak.
 
 from __future__ import annotations
 
+import os
+
 import statistics
 from dataclasses import dataclass, field
 
@@ -31,7 +33,10 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 
 #: Knobs in table order.
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
-         "moe", "loss", "gptq_awq", "zero", "fsdp", "device_overheads")
+         "moe", "loss", "gptq_awq", "zero", "fsdp", "device_overheads", "measured")
+
+#: Where `vramplan measure` / `sweep` append their records (vramplan.measure.RECORDS_DIR).
+MEASUREMENTS = "calibration/measurements"
 
 
 @dataclass(frozen=True)
@@ -154,12 +159,37 @@ def _phase_rows(case: Case, family: str, truth: dict, est: dict, truth_name: str
                 quantity=f"{ph}_peak_bytes") for ph in KNOB_PHASES.get(case.knob, ())]
 
 
-def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = ()) -> list[Row]:
+def measured_rows(records: str | os.PathLike = MEASUREMENTS) -> list[Row]:
+    """The "measured" truth: every complete (not OOM, not failed) record ``vramplan measure`` /
+    ``sweep`` appended under ``records``, one Row per headline quantity it measured (the tensor
+    peak on CPU; allocated, reserved and device total on CUDA), against the estimate recorded
+    with it. None recorded: one unverified row saying how to record some."""
+    from .measure import Measurement, comparison, read_records
+
+    rows = []
+    for data in read_records(records):
+        m = Measurement.from_json(data)
+        if not m.ok or m.oom:
+            continue
+        truth = "measured" if m.device == "cuda" else f"measured-{m.device}"
+        for quantity, c in comparison(m).items():
+            rows.append(Row(m.model, "-", m.setup, int(c["measured"]), int(c["estimate"]), "-",
+                            m.estimate.get("phase", "-"), truth=truth, knob="measured", quantity=quantity))
+    if not rows:
+        rows.append(_unverified("measured", Setup(), f"no measurements under {records}: `vramplan measure` or "
+                                "`vramplan sweep` records them (calibration/gpu_sweep.sh on a GPU machine)"))
+    return rows
+
+
+def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (), records: str | os.PathLike = MEASUREMENTS) -> list[Row]:
     """Rows of the knobs ``matrix`` does not cover (all, or those of ``knobs``): the distributed
-    truth's (``vramplan.run.distributed.zero_rows``, N real processes) for ZeRO/FSDP, and the
-    knobs with no truth on this machine, each with why."""
+    truth's (``vramplan.run.distributed.zero_rows``, N real processes) for ZeRO/FSDP, the
+    measured records (``measured_rows``), and the knobs with no truth on this machine, each with
+    why."""
     wanted = set(knobs or KNOBS)
     rows: list[Row] = []
+    if "measured" in wanted:
+        rows += measured_rows(records)
     if wanted & {"zero", "fsdp"}:
         try:
             from .run import (

@@ -19,12 +19,14 @@ from ..cli import _print_json, _user_errors, describe, main
 @click.option("--quick", is_flag=True, help="The small subset run in CI (one family, a few knobs).")
 @click.option("--knob", "knobs", multiple=True, metavar="K",
               help="Only these knobs (repeatable): canonical, quantization, optimizer, precision, attention, "
-                   "grad_accum, checkpointing, moe, loss, zero, fsdp, gptq_awq, device_overheads.")
+                   "grad_accum, checkpointing, moe, loss, zero, fsdp, gptq_awq, device_overheads, measured.")
+@click.option("--measurements", default="calibration/measurements", show_default=True, metavar="DIR",
+              help="Records of `vramplan measure`/`sweep`: the 'measured' truth column.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable rows and summary.")
 @_user_errors
-def validate(quick: bool, knobs: tuple[str, ...], as_json: bool) -> None:
-    """Estimate vs truth (fake-tensor trace or a real CPU run) for every knob: error per setup,
-    median and worst per knob. The default matrix takes a few minutes; --quick well under one."""
+def validate(quick: bool, knobs: tuple[str, ...], measurements: str, as_json: bool) -> None:
+    """Estimate vs truth (fake-tensor trace, a real CPU run, N DeepSpeed processes, or the recorded
+    measurements) for every knob: error per setup, median and worst per knob. The default matrix takes a few minutes; --quick well under one."""
     from ..specs import SpecError
     from ..tracer import _require_torch
     from ..validate import KNOBS, matrix, row_json, run_case, summarize, unverified_rows
@@ -43,7 +45,7 @@ def validate(quick: bool, knobs: tuple[str, ...], as_json: bool) -> None:
             rows += run_case(case)
         if cases:
             click.echo("", err=True)
-        rows += unverified_rows(quick, knobs)
+        rows += unverified_rows(quick, knobs, measurements)
     summary = summarize(rows)
     seconds = time.perf_counter() - t0
     if as_json:
