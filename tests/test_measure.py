@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -160,6 +161,19 @@ def test_cli_measure_json_and_record(runs):
     (record,) = m.read_records(runs["records"])
     assert record["key"] == data["key"] and record["model"] == "llama-3.2-1b"
     assert record["provenance"]["vramplan_commit"]
+    # the real output holds the documented schemas (docs/schema/)
+    _schema_check("measure-result", data)
+    _schema_check("measurement", record)
+
+
+def _schema_check(name: str, instance) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    referencing = pytest.importorskip("referencing")
+    folder = Path(__file__).resolve().parents[1] / "docs" / "schema"
+    schemas = {p.name.removesuffix(".schema.json"): json.loads(p.read_text()) for p in folder.glob("*.schema.json")}
+    registry = referencing.Registry().with_resources(
+        [(s["$id"], referencing.Resource.from_contents(s)) for s in schemas.values()])
+    jsonschema.Draft202012Validator(schemas[name], registry=registry).validate(instance)
 
 
 def test_sweep_records_a_run_killed_at_its_timeout_and_retries_it(runs):
