@@ -200,9 +200,13 @@ def test_multinode_launchers():
 
 
 def _split_train_py(text: str) -> tuple[str, str]:
-    """(header and PLAN dict, the template body after it)."""
-    cut = text.index("\n}\n", text.index("PLAN = {")) + 3
-    return text[:cut], text[cut:]
+    """(the plan-specific parts: the comment header and the PLAN dict; the template around them)."""
+    lines = text.splitlines(keepends=True)
+    n_header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    header, rest = "".join(lines[:n_header]), "".join(lines[n_header:])
+    start = rest.index("PLAN = {")
+    end = rest.index("\n}\n", start) + 3
+    return header + rest[start:end], rest[:start] + "PLAN = ...\n" + rest[end:]
 
 
 @pytest.mark.parametrize("name", GOLDEN_SHAPES)
