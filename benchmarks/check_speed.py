@@ -12,14 +12,13 @@ asserted: timings depend on the machine.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import vramplan_cmd  # benchmarks/_common.py (scripts run from this folder)
 
 BAR_S = 1.0
 MODELS = ["llama-3.1-8b", "llama-3.2-1b", "qwen2-0.5b", "qwen3-8b", "qwen3-30b-a3b", "mistral-7b", "gemma-2-9b",
@@ -41,12 +40,6 @@ def checks_yaml(n: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
-def vramplan_cmd() -> list[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "vramplan")
-    if os.path.exists(script):
-        return [script]
-    found = shutil.which("vramplan")
-    return [found] if found else [sys.executable, "-m", "vramplan"]
 
 
 def time_cmd(argv: list[str], n: int) -> list[float]:

@@ -9,12 +9,11 @@ prints median/min/max against the 0.3 s bar. Printed, not asserted: timings depe
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import subprocess
-import sys
 import time
+
+from _common import vramplan_cmd  # benchmarks/_common.py (scripts run from this folder)
 
 BAR_S = 0.3
 COMMANDS = [
@@ -24,13 +23,6 @@ COMMANDS = [
 ]
 
 
-def vramplan_cmd() -> list[str]:
-    """The installed console script next to this interpreter, else ``python -m vramplan``."""
-    script = os.path.join(os.path.dirname(sys.executable), "vramplan")
-    if os.path.exists(script):
-        return [script]
-    found = shutil.which("vramplan")
-    return [found] if found else [sys.executable, "-m", "vramplan"]
 
 
 def time_once(argv: list[str]) -> float:

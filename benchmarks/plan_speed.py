@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
-import sys
 import time
+
+from _common import vramplan_cmd  # benchmarks/_common.py (scripts run from this folder)
 
 SEARCH_BAR_S = 0.100
 COMMAND_BAR_S = 0.5
@@ -38,12 +38,6 @@ CASES = [
 ]
 
 
-def vramplan_cmd() -> list[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "vramplan")
-    if os.path.exists(script):
-        return [script]
-    found = shutil.which("vramplan")
-    return [found] if found else [sys.executable, "-m", "vramplan"]
 
 
 def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, float, int, object]:
