@@ -546,6 +546,7 @@ def trace(
     from .checks import check
 
     check(model, setup)  # a setup peft or transformers would refuse fails here, in one line
+    _require_torch()
     L = _num_layers(model.config)
     if L <= full_depth_max:
         return breakdown_from_trace(model, setup, trace_numbers(model.config, setup), "traced at full depth", gpu)

@@ -61,6 +61,24 @@ def _parse_size(text: str | None, flag: str) -> int | None:
         raise SpecError(f"{flag}: {exc or f'cannot read {text!r}'}") from None
 
 
+def _require_run_extra(setups) -> None:
+    """Fail in one line, before anything runs or is recorded, when the worker's libraries are not
+    installed (found without importing them: this process stays torch-free)."""
+    import importlib.util
+
+    needed = ["torch", "transformers", "accelerate"]
+    if any(s.adapters for s in setups):
+        needed.append("peft")
+    if any(s.quant != "none" or "8bit" in s.optimizer or s.optimizer == "lion" for s in setups):
+        needed.append("bitsandbytes")
+    if any(s.zero_stage for s in setups):
+        needed.append("deepspeed")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SpecError(f"measuring needs the optional extra: pip install 'vramplan[run]' ({', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} missing)")
+
+
 def print_measurement(m) -> None:
     """Estimate vs measured, one row per headline quantity (what a user reads after a run)."""
     from rich.console import Console
@@ -148,6 +166,7 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
     else:
         load_model(target)  # a one-line error for an unknown model before anything runs
         plan, model_ref = None, target
+    _require_run_extra([plan.setup if plan is not None else setup])
     scale = dict(m.DEFAULT_SCALE) if scale_down else None
     with tempfile.TemporaryDirectory(prefix="vramplan-scaled-") as tmp:
         if scale:
@@ -201,6 +220,7 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
             for row in rows:
                 click.echo(f"{'skip' if row['recorded'] else 'run '}  {row['name']}")
         return
+    _require_run_extra([r.setup for r in todo])
     summary = sw.run_sweep(spec, todo, seconds, records_dir, progress=not as_json)
     summary["skipped_recorded"] = len(runs) - len(todo)
     if as_json:
