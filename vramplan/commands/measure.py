@@ -37,6 +37,8 @@ def _is_plan_file(target: str) -> bool:
     path = Path(target)
     if not path.is_file() or path.suffix not in (".json", ".yaml", ".yml"):
         return False
+    if path.suffix != ".json":  # a model's config is JSON: YAML can only be a plan file
+        return True
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
