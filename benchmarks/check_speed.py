@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import vramplan_cmd  # benchmarks/_common.py (scripts run from this folder)
+from _common import time_command, vramplan_cmd  # benchmarks/_common.py (scripts run from this folder)
 
 BAR_S = 1.0
 MODELS = ["llama-3.1-8b", "llama-3.2-1b", "qwen2-0.5b", "qwen3-8b", "qwen3-30b-a3b", "mistral-7b", "gemma-2-9b",
@@ -40,18 +40,6 @@ def checks_yaml(n: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
-
-
-def time_cmd(argv: list[str], n: int) -> list[float]:
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # warm-up
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=5, help="timed runs per row")
@@ -65,7 +53,7 @@ def main() -> None:
         rows = []
         for label, extra in (("CLI, table", []), ("CLI, --json", ["--json"]),
                              ("CLI, --format github", ["--format", "github", "--summary", ""])):
-            rows.append((f"{label} (fresh process)", time_cmd(base + extra, args.n)))
+            rows.append((f"{label} (fresh process)", time_command(base + extra, args.n)))
 
         from vramplan.check import load_specs, read_baseline, run_checks
 

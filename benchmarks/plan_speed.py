@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
 
-from _common import vramplan_cmd  # benchmarks/_common.py (scripts run from this folder)
+from _common import time_command, vramplan_cmd  # benchmarks/_common.py (scripts run from this folder)
 
 SEARCH_BAR_S = 0.100
 COMMAND_BAR_S = 0.5
@@ -36,8 +35,6 @@ CASES = [
     ("llama-3.1-70b", "h100-sxm", {"gpus": 16, "nodes": 2, "global_batch": 128, "nvme": True},
      ["--gpus", "16", "--nodes", "2", "--global-batch", "128", "--nvme"]),
 ]
-
-
 
 
 def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, float, int, object]:
@@ -69,16 +66,6 @@ def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, floa
     return statistics.median(times), statistics.median(cpu), counted[0], plan
 
 
-def time_command(argv: list[str], n: int) -> float:
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # warm-up
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=5, help="timed runs per case")
@@ -95,7 +82,7 @@ def main() -> None:
     for model, gpu, kwargs, flags in CASES:
         search_s, cpu_s, estimates, plan = time_search(model, gpu, {**kwargs, "relax": False}, args.n)
         _, relax_cpu_s, _, plan = time_search(model, gpu, kwargs, args.n)
-        command_s = time_command(base + ["plan", model, "--gpu", gpu, "--json", *flags], args.n)
+        command_s = statistics.median(time_command(base + ["plan", model, "--gpu", gpu, "--json", *flags], args.n))
         chosen = quality_label(plan.setup) if plan.fits else "no fit"
         ok = "yes" if search_s < SEARCH_BAR_S and command_s < COMMAND_BAR_S else "NO"
         print(f"{model:<15} {gpu:<14} {' '.join(flags) or '-':<42} {search_s * 1000:>6.1f}ms {cpu_s * 1000:>6.1f}ms "

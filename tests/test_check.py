@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
@@ -44,16 +45,6 @@ def run(tmp_path: Path, *args: str):
     if "--baseline" not in args:
         argv += ["--baseline", str(tmp_path / "vram-baseline.json")]
     return CliRunner().invoke(main, argv)
-
-
-def assert_user_error(result, *fragments: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
-    return lines[0]
 
 
 def as_json(result) -> dict:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import assert_user_error
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,19 +40,6 @@ def hub_offline():
 
 def run(*args: str):
     return CliRunner().invoke(main, list(args))
-
-
-def assert_user_error(result, *fragments: str) -> str:
-    """Exit 2, one stderr line ``error: ...`` naming each fragment, nothing on stdout, no traceback."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
-    assert result.stdout == ""
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+from cli_helpers import assert_user_error
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,17 +27,6 @@ GiB = 2**30
 
 def run(*args: str):
     return CliRunner().invoke(main, list(args))
-
-
-def assert_user_error(result, *fragments: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
-    return lines[0]
 
 
 def assert_really_fits(plan: Plan, model=None) -> None:
