@@ -1,11 +1,12 @@
 """DeepSpeed ZeRO: per-rank estimate vs the real N-process run. Prints; asserts nothing.
 
-    python benchmarks/zero_accuracy.py              # N in {1, 2, 4} x stages 1-3 x CPU/NVMe offload, and LoRA (16 setups)
+    python benchmarks/zero_accuracy.py              # N in {1, 2, 4} x stages 1-3 x CPU/NVMe offload, LoRA, QLoRA/int8, bf16-mixed (28 setups)
     python benchmarks/zero_accuracy.py --worlds 1 2 # fewer world sizes
     python benchmarks/zero_accuracy.py --timing     # also the estimator's time per ZeRO estimate
 
 Then the same 7-setup matrix on 2 ranks for two other shapes: an untied head (Llama-3.1-8B scaled
-down) and q/k/v biases kept gathered by stage 3 as persistent parameters (Qwen2.5-7B scaled down).
+down) and q/k/v biases kept gathered by stage 3 as persistent parameters (Qwen2.5-7B scaled down),
+and the MoE matrix (fused 3-D experts: Mixtral and Qwen3-MoE scaled down to 4 experts) on 1 and 2 ranks.
 
 The truth is vramplan/run/distributed.py: N CPU processes (DeepSpeed's CPU accelerator, gloo), a
 tiny Llama-3.2 with random weights, the canonical step twice, each rank's live tensors counted with
@@ -19,8 +20,12 @@ import time
 
 from vramplan.run.distributed import (
     LORA_MATRIX,
+    MIXED_MATRIX,
+    MOE_BASES,
+    MOE_MATRIX,
     NVME_MATRIX,
     OTHER_BASES,
+    QUANT_MATRIX,
     TINY_BASE,
     TINY_SEQ,
     UNVERIFIED,
@@ -38,7 +43,10 @@ def _name(s: Setup) -> str:
         off.append(f"opt->{s.offload_optimizer}")
     if s.offload_params != "none":
         off.append(f"params->{s.offload_params}")
-    extra = (" LoRA" if s.adapters else "") + (" ckpt" if s.checkpointing else "")
+    method = {"lora": " LoRA", "qlora": " QLoRA"}.get(s.method, "")
+    if s.method == "lora" and s.quant != "none":
+        method += f"-{s.quant}"
+    extra = method + (" mixed" if s.precision.endswith("-mixed") else "") + (" ckpt" if s.checkpointing else "")
     return f"ZeRO-{s.zero_stage}{extra} {' '.join(off) or 'no offload'}"
 
 
@@ -47,31 +55,39 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--timing", action="store_true")
     ap.add_argument("--no-other-shapes", action="store_true", help="skip the untied (Llama-3.1) and biased (Qwen2.5) shapes")
+    ap.add_argument("--matrices", nargs="+", default=["zero", "lora", "quant", "mixed", "moe"],
+                    choices=["zero", "lora", "quant", "mixed", "moe"],
+                    help="which matrices to run (zero: stages x offload, with the NVMe cases and the other shapes)")
     args = ap.parse_args()
     model = tiny_model()
     print(f"model: {model.name} ({model.params_total:,} params, seq {TINY_SEQ}); bytes per rank")
-    print(f"{'setup':34s} {'N':>2s} {'rank':>4s} {'truth':>10s} {'estimate':>10s} {'error':>7s} "
+    print(f"{'setup':44s} {'N':>2s} {'rank':>4s} {'truth':>10s} {'estimate':>10s} {'error':>7s} "
           f"{'phase t/e':>19s} {'host truth':>11s} {'host est':>9s} {'host err':>8s}")
     errors: list[float] = []
     nvme = nvme_available()
     if not nvme:
         print("NVMe offload not run: DeepSpeed's async_io op does not build here (it needs libaio-dev)")
     t_all = time.perf_counter()
-    launches = [(TINY_BASE, w, ZERO_MATRIX + (NVME_MATRIX if nvme else ()) + LORA_MATRIX) for w in args.worlds]
-    if not args.no_other_shapes:
+    # one launch per matrix and world size (each launch has its own time limit)
+    chosen = {"zero": ZERO_MATRIX + (NVME_MATRIX if nvme else ()), "lora": LORA_MATRIX, "quant": QUANT_MATRIX,
+              "mixed": MIXED_MATRIX}
+    launches = [(TINY_BASE, w, chosen[m]) for m in chosen if m in args.matrices for w in args.worlds]
+    if not args.no_other_shapes and "zero" in args.matrices:
         launches += [(base, 2, ZERO_MATRIX) for base in OTHER_BASES]
+    if "moe" in args.matrices:
+        launches += [(base, w, MOE_MATRIX) for base in MOE_BASES for w in args.worlds if w <= 2]
     for base, world, matrix in launches:
         t0 = time.perf_counter()
         if base != TINY_BASE:
             m = tiny_model(base=base)
-            print(f"model: {m.name} ({m.params_total:,} params, tied head: {m.tie_word_embeddings})")
+            print(f"model: {m.name} ({m.params_total:,} params, tied head: {m.tie_word_embeddings}), {world} rank(s)")
         setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in matrix]
         for run, est in compare_setups(setups, world, base):
             for r in run.ranks:
                 err = est.tensor_peak_bytes / r.device_bytes - 1
                 errors.append(err)
                 herr = f"{est.host_bytes / r.host_bytes - 1:+.1%}" if r.host_bytes else "-"
-                print(f"{_name(run.setup):34s} {world:2d} {r.rank:4d} {r.device_bytes:10,d} {est.tensor_peak_bytes:10,d} "
+                print(f"{_name(run.setup):44s} {world:2d} {r.rank:4d} {r.device_bytes:10,d} {est.tensor_peak_bytes:10,d} "
                       f"{err:+7.1%} {r.phase + '/' + est.phase:>19s} {r.host_bytes:11,d} {est.host_bytes:9,d} {herr:>8s}")
         print(f"  ({world} rank{'s' if world > 1 else ''}: {time.perf_counter() - t0:.1f} s for {len(setups)} setups)")
     worst = max(errors, key=abs)

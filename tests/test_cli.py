@@ -90,9 +90,11 @@ def test_estimate_json_setup_options_reach_the_setup():
     setup = json.loads(r.stdout)["setup"]
     assert setup == {
         "method": "qlora", "lora_rank": 8, "lora_alpha": 4, "lora_dropout": 0.1, "lora_targets": "q_proj,v_proj",
-        "quant": "nf4", "double_quant": False, "precision": "bf16", "optimizer": "adamw-8bit",
+        "quant": "nf4", "double_quant": False, "quant_bits": 4, "quant_group_size": 128, "precision": "bf16",
+        "optimizer": "adamw-8bit",
         "checkpointing": True, "attn": "eager", "batch": 2, "seq": 128, "grad_accum": 4, "zero_stage": 2,
         "offload_optimizer": "cpu", "offload_params": "none", "gpus": 2, "loss": "chunked", "pad_mask": True,
+        "fsdp": "none",
     }
 
 

@@ -46,9 +46,11 @@ SHAPES = {
     "zero3-lion-offload": (Setup(zero_stage=3, offload_optimizer="cpu", optimizer="lion", gpus=2), 1),
     "multinode-zero3": (Setup(zero_stage=3, gpus=16, checkpointing=True), 2),
     "multinode-ddp": (Setup(method="lora", gpus=16), 2),
+    "gptq": (Setup(method="lora", quant="gptq", quant_bits=4, quant_group_size=128, checkpointing=True, precision="fp16"), 1),
 }
 #: shapes whose files are pinned as golden files (one per distinct emitter path)
-GOLDEN_SHAPES = ("single", "qlora", "ddp-4gpu", "zero2-offload-cpu", "zero3-nvme", "multinode-zero3", "multinode-ddp")
+GOLDEN_SHAPES = ("single", "qlora", "ddp-4gpu", "zero2-offload-cpu", "zero3-nvme", "multinode-zero3", "multinode-ddp",
+                 "gptq")
 
 
 def make_plan(setup: Setup, nodes: int = 1, fixed: bool = False) -> Plan:
@@ -117,7 +119,7 @@ def test_deepspeed_config_parses_with_deepspeed(shape, tmp_path):
         assert parsed.optimizer_name == {"adamw": "adamw", "lion": "lion"}[s.optimizer]
 
 
-def test_accelerate_config_loads_with_accelerate(shape, tmp_path):
+def test_accelerate_config_loads_with_accelerate(shape, tmp_path, monkeypatch):
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
@@ -135,7 +137,8 @@ def test_accelerate_config_loads_with_accelerate(shape, tmp_path):
         assert cfg.deepspeed_config["zero3_init_flag"] == (s.zero_stage == 3)
         assert cfg.mixed_precision is None  # owned by ds_config.json: accelerate refuses it in both
     else:
-        assert cfg.mixed_precision == ("bf16" if s.precision.startswith("bf16") else "no")
+        # autocast only for "-mixed": pure bf16/fp16 is the step without autocast that vramplan estimates
+        assert cfg.mixed_precision == {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(s.precision, "no")
     # what `accelerate launch --config_file` does with it before launching
     argv = ["--config_file", str(path)]
     if plan.nodes > 1:
@@ -144,14 +147,23 @@ def test_accelerate_config_loads_with_accelerate(shape, tmp_path):
     assert args.num_processes == s.gpus and args.num_machines == plan.nodes
     assert bool(args.use_deepspeed) == bool(s.zero_stage)
     assert not (args.use_deepspeed and mp_from_config)
+    if not s.zero_stage:  # the precision the launched Trainer runs: the YAML's, through the env
+        from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+        env = prepare_multi_gpu_env(args) if args.multi_gpu else prepare_simple_launcher_cmd_env(args)[1]
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", env.get("ACCELERATE_MIXED_PRECISION", "no"))
+        from transformers import TrainingArguments
+
+        targs = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True,
+                                  bf16=s.precision == "bf16-mixed", fp16=False, report_to=[])
+        assert targs.mixed_precision == ("bf16" if s.precision == "bf16-mixed" else "no")
 
 
 def test_fsdp_plan_emits_fsdp(tmp_path):
     """A Setup that shards with FSDP (the ``fsdp`` field, where the Setup has it) gets an FSDP YAML."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    setup = Setup(gpus=4, offload_params="none")
-    object.__setattr__(setup, "fsdp", "full_shard")  # the field another issue adds to Setup
+    setup = Setup(gpus=4, fsdp="full_shard")
     plan = make_plan(setup)
     path = tmp_path / ACCELERATE_CONFIG
     path.write_text(render(plan, ["accelerate"])[ACCELERATE_CONFIG])

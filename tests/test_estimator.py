@@ -106,3 +106,17 @@ def test_hopper_uses_the_larger_cublas_workspace():
 def test_setups_peft_would_refuse_raise_from_estimate_too():
     with pytest.raises(SpecError, match="larger than the smallest targeted layer"):
         estimate(load_model("smollm2-135m"), Setup(method="lora", lora_rank=4096))
+
+
+@pytest.mark.parametrize("quant, warned", [("nf4", True), ("int8", True), ("none", False)])
+def test_quantized_moe_warns_that_fused_experts_stay_fp32(quant, warned):
+    """transformers 5's fused 3-D experts are not Linears: bitsandbytes leaves them alone and
+    prepare_model_for_kbit_training upcasts them, so a quantized Mixtral says so."""
+    spec = load_model("mixtral-8x7b")
+    bd = estimate(spec, Setup(method="lora", quant=quant))
+    notes = [n for n in bd.notes if "fused 3-D" in n]
+    assert bool(notes) is warned
+    if warned:
+        assert "45.1B expert parameters" in notes[0] and f"--quant {quant}" in notes[0]
+    dense = estimate(load_model("llama-3.1-8b"), Setup(method="lora", quant=quant))
+    assert not [n for n in dense.notes if "fused 3-D" in n]

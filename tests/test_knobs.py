@@ -69,13 +69,13 @@ def test_quantized_step_within_5_percent_of_a_real_cpu_run(llama, setup):
 
 @pytest.mark.parametrize("optimizer", ["adamw-8bit", "paged-adamw-8bit", "lion", "adafactor", "sgd"])
 def test_optimizer_states_match_the_real_optimizer(llama, optimizer):
-    """States after one real step (bitsandbytes' 8-bit blocks, fp32 states under 4096 elements,
-    Lion's fp32 state; Adafactor's factored moments; SGD's momentum) equal the estimate, paged
+    """States after one real step (bitsandbytes' 8-bit blocks, fp32 states under 4096 elements and
+    for the embeddings the Trainer registers 32-bit, Lion's fp32 state; Adafactor's factored moments; SGD's momentum) equal the estimate, paged
     states excepted (they are managed memory on CUDA: paged_optimizer_states)."""
     cfg, spec = llama
     setup = Setup(optimizer=optimizer, seq=32)
     model = build_model(cfg, setup)
-    opt = make_optimizer(setup, [p for p in model.parameters() if p.requires_grad])
+    opt = make_optimizer(setup, [p for p in model.parameters() if p.requires_grad], model)  # as the Trainer
     ids = torch.randint(0, cfg["vocab_size"], (1, 32))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()

@@ -3,8 +3,9 @@ memory report), on a tiny model scaled down from a shipped profile, random weigh
 
 One subprocess per shape (each imports torch, transformers, peft): full, LoRA, QLoRA (bitsandbytes
 4-bit on the CPU), DeepSpeed ZeRO-2 through the ``deepspeed`` launcher and QLoRA under ZeRO-3 through
-``accelerate launch`` with the emitted YAML (the header's second command), both at world size 1
-(DeepSpeed picks its CPU accelerator and gloo by itself). One more run (LoRA on an int8 base)
+``accelerate launch`` with the emitted YAML (the header's second command; bf16-mixed on two ranks,
+each loading the same random 4-bit checkpoint; DeepSpeed picks its CPU accelerator and gloo by
+itself). One more run (LoRA on an int8 base)
 imports train.py the way ``vramplan measure`` will, adding a TrainerCallback. The first DeepSpeed
 run on a machine also compiles DeepSpeed's shared-memory op once (about 30 s; cached in ~/.cache/torch_extensions).
 ZeRO-Offload is checked by DeepSpeed's parser only: running it compiles DeepSpeed's CPU Adam
@@ -38,7 +39,9 @@ SHAPES = {
     "lora-int8": Setup(method="lora", lora_rank=4, quant="int8", batch=2, seq=16),
     "qlora": Setup(method="qlora", lora_rank=4, batch=2, seq=32, checkpointing=True),
     "zero2": Setup(zero_stage=2, batch=2, seq=32, grad_accum=2, optimizer="adamw-fused"),
-    "zero3": Setup(method="qlora", lora_rank=4, zero_stage=3, batch=2, seq=32, checkpointing=True),
+    # on 2 ranks, as -mixed: every rank loads the same random 4-bit checkpoint, stored 16-bit
+    "zero3": Setup(method="qlora", lora_rank=4, zero_stage=3, batch=2, seq=32, checkpointing=True,
+                   precision="bf16-mixed", gpus=2),
 }
 
 
@@ -90,7 +93,8 @@ def run_emitted(folder: Path, which: int = 0) -> dict:
     cmd += ["--cpu", "--max-steps", "2", "--memory-report", "memory.json"]
     out = subprocess.run(cmd, check=False, cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{shlex.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    return json.loads((folder / "memory.json").read_text())
+    single = folder / "memory.json"  # several ranks: one report per rank, memory.rankN.json
+    return json.loads((single if single.exists() else folder / "memory.rank0.json").read_text())
 
 
 def _free_port() -> int:
@@ -104,9 +108,9 @@ def _check_report(report: dict, plan: Plan) -> None:
     setup = plan.setup
     assert report["params_trainable"] == plan.breakdown.params_trainable
     assert [row["step"] for row in report["steps"]] == [1, 2]
-    assert report["tokens_per_step"] == setup.batch * setup.seq * setup.grad_accum
+    assert report["tokens_per_step"] == setup.batch * setup.seq * setup.grad_accum * setup.gpus
     assert all(row["peak_rss_bytes"] > 0 and row["tokens_per_s"] > 0 for row in report["steps"])
-    assert report["device"] == "cpu" and report["world_size"] == 1
+    assert report["device"] == "cpu" and report["world_size"] == setup.gpus
     assert report["plan"]["method"] == setup.method
 
 
@@ -145,6 +149,10 @@ def test_zero3_runs_with_accelerate_launch(emitted):
     _check_report(report, plan)
     assert report["deepspeed_zero_stage"] == 3 and report["zero3_partitioned_params"] > 0
     assert report["bnb_modules"] == 2 * 7  # QLoRA under ZeRO-3: 4-bit weights stored as bf16 shards
+    assert "'quant_storage': 'bfloat16'" in (folder / "train.py").read_text()  # not fp32, though -mixed
+    rank1 = json.loads((folder / "memory.rank1.json").read_text())  # rank 1 loaded a full checkpoint too
+    assert rank1["world_size"] == 2 and rank1["bnb_modules"] == report["bnb_modules"]
+    assert rank1["params_trainable"] == report["params_trainable"]
 
 
 def test_train_script_is_importable_with_extra_callbacks(emitted):

@@ -19,7 +19,7 @@ pytest.importorskip("bitsandbytes")
 
 #: Every knob but the distributed ones, whose N-process truth has its own tests and time budget,
 #: and the measured records (tested below on records written here).
-SINGLE = [k for k in KNOBS if k not in ("zero", "fsdp", "measured")]
+SINGLE = [k for k in KNOBS if k not in ("zero", "fsdp", "ddp", "measured")]
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +72,10 @@ def test_summary_median_and_worst():
 
 def test_distributed_knobs_without_rows_are_listed(monkeypatch):
     """A distributed truth that returns no FSDP rows leaves FSDP listed as not verified, why given."""
-    from vramplan.run import distributed
+    from vramplan.run import distributed, fsdp
 
     monkeypatch.setattr(distributed, "zero_rows", lambda quick: [], raising=False)
+    monkeypatch.setattr(fsdp, "fsdp_rows", lambda quick: [])
     rows = unverified_rows(True, ("zero", "fsdp"))
     assert {r.knob for r in rows} == {"zero", "fsdp"} and all(not r.verified and r.why for r in rows)
 

@@ -3,8 +3,8 @@
 The truth (vramplan/run/distributed.py) launches N CPU processes (DeepSpeed's CPU accelerator,
 gloo) on a tiny Llama with random weights, runs the canonical step twice and counts each rank's
 live tensors, the offloaded (host) ones apart. One launch per world size runs every setup, so the
-whole module costs two launches (about 45 s on 2 cores). The 4-rank matrix is in
-benchmarks/zero_accuracy.py.
+whole module costs three launches (two on the tiny Llama, one on a tiny Qwen3-MoE; about 50 s on
+2 cores). The 4-rank matrix is in benchmarks/zero_accuracy.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from vramplan.specs import Setup
 pytest.importorskip("deepspeed")
 
 from vramplan.run.distributed import (
+    MOE_BASES,
+    TINY_BASE,
     TINY_SEQ,
     compare_setups,
     ds_config,
@@ -31,34 +33,44 @@ TOLERANCE = 0.10  # the issue's bar for ZeRO, per rank
 FULL = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}]
 #: LoRA: 16-bit adapters at stage 1/2, fp32 at stage 3 (16-bit once offloaded), frozen inputs kept
 LORA = [{"zero_stage": 2, "method": "lora"}, {"zero_stage": 3, "method": "lora"}]
-N1 = [*FULL, *LORA]
+#: QLoRA / int8 bases (16-bit everything but the packed weights, under every stage) and bf16-mixed
+#: (fp32 load, cast by the engine: the same step as bf16)
+N1 = [*FULL, *LORA, {"zero_stage": 3, "method": "qlora"}, {"zero_stage": 2, "precision": "bf16-mixed"}]
 N2 = [*FULL, {"zero_stage": 2, "offload_optimizer": "cpu"},
       {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
       *LORA, {"zero_stage": 3, "method": "lora", "offload_optimizer": "cpu", "offload_params": "cpu"},
-      {"zero_stage": 3, "method": "lora", "checkpointing": True}]
+      {"zero_stage": 3, "method": "lora", "checkpointing": True},
+      {"zero_stage": 2, "method": "qlora"}, {"zero_stage": 2, "method": "lora", "quant": "int8"},
+      {"zero_stage": 3, "method": "lora", "precision": "bf16-mixed"}]
 NVME = {"zero_stage": 3, "offload_optimizer": "nvme"}
 if nvme_available():  # DeepSpeed's async_io op needs libaio-dev
     N2.append(NVME)
+#: MoE with fused 3-D experts (Qwen3-MoE scaled down): stage 3 keeps each layer's gathered experts
+#: until its backward; LoRA through peft's merged expert copies
+MOE = MOE_BASES[1]
+N2_MOE = [{"zero_stage": 3}, {"zero_stage": 2, "method": "lora"}]
+CASES = [(TINY_BASE, 1, kw) for kw in N1] + [(TINY_BASE, 2, kw) for kw in N2] + [(MOE, 2, kw) for kw in N2_MOE]
 
 
 @pytest.fixture(scope="module")
 def measured():
     out = {}
-    for world, matrix in ((1, N1), (2, N2)):
+    for base, world, matrix in ((TINY_BASE, 1, N1), (TINY_BASE, 2, N2), (MOE, 2, N2_MOE)):
         setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in matrix]
-        for run, est in compare_setups(setups, world):
-            out[(world, tuple(sorted(run.setup.to_dict().items())))] = (run, est)
+        for run, est in compare_setups(setups, world, base):
+            out[(base, world, tuple(sorted(run.setup.to_dict().items())))] = (run, est)
     return out
 
 
-def _key(world, kw):
-    return (world, tuple(sorted(Setup(**kw, gpus=world, seq=TINY_SEQ).to_dict().items())))
+def _key(world, kw, base=TINY_BASE):
+    return (base, world, tuple(sorted(Setup(**kw, gpus=world, seq=TINY_SEQ).to_dict().items())))
 
 
-@pytest.mark.parametrize(("world", "kw"), [(1, kw) for kw in N1] + [(2, kw) for kw in N2],
-                         ids=lambda v: str(v) if isinstance(v, int) else "-".join(f"{k}={x}" for k, x in v.items()))
-def test_estimate_matches_every_rank(measured, world, kw):
-    run, est = measured[_key(world, kw)]
+@pytest.mark.parametrize(("base", "world", "kw"), CASES,
+                         ids=lambda v: v.split("/")[-1] if isinstance(v, str) else str(v) if isinstance(v, int)
+                         else "-".join(f"{k}={x}" for k, x in v.items()))
+def test_estimate_matches_every_rank(measured, base, world, kw):
+    run, est = measured[_key(world, kw, base)]
     assert len(run.ranks) == world
     assert run.inner_optimizer == ("DeepSpeedCPUAdam" if kw.get("offload_optimizer") else "AdamW")
     for rank in run.ranks:
@@ -87,6 +99,18 @@ def test_truth_sees_the_partitioning(measured):
     assert z2_2 < z2_1
     assert z3_2 < measured[_key(1, {"zero_stage": 3})][0].worst.device_bytes
     assert off.device_bytes < z2_2 and off.host_bytes > 0
+    # the 4-bit base holds less than the 16-bit one under the same adapters
+    qlora = measured[_key(2, {"zero_stage": 2, "method": "qlora"})][0].worst.device_bytes
+    assert qlora < measured[_key(2, {"zero_stage": 2, "method": "lora"})][0].worst.device_bytes
+
+
+def test_bf16_mixed_runs_as_bf16_under_deepspeed(measured):
+    """DeepSpeed's bf16 engine casts the fp32 weights of a -mixed load; accelerate adds no autocast:
+    the measured step is bf16's, to the byte, and so is the estimate."""
+    mixed_run, mixed_est = measured[_key(1, {"zero_stage": 2, "precision": "bf16-mixed"})]
+    bf16_run, bf16_est = measured[_key(1, {"zero_stage": 2})]
+    assert mixed_run.worst.device_bytes == bf16_run.worst.device_bytes
+    assert mixed_est.tensor_peak_bytes == bf16_est.tensor_peak_bytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,3 +161,41 @@ def test_zero_config_scales_with_the_model_and_matches_the_ds_config(llama8b):
     off = ds_config(tiny_model(), Setup(zero_stage=2, gpus=2, offload_optimizer="cpu"))
     assert off["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert off["optimizer"]["type"] == "AdamW"
+
+
+def test_stage3_keeps_gathered_experts_and_packed_weights_saved_for_backward():
+    """grouped_mm saves a transpose of the gathered 3-D expert weight, bitsandbytes' MatMul4Bit a
+    view of the gathered packed weight: all layers' at the loss (experts: one layer's with
+    checkpointing), none at stage 2, on one rank, or with peft's merged expert copies."""
+    from vramplan.estimator.distributed import saved_gathered_weights
+
+    qwen = load_model("Qwen/Qwen3-30B-A3B")
+    experts = sum(n for name, n in qwen.other_params if name == "experts")
+    kept, layer = saved_gathered_weights(qwen, Setup(zero_stage=3, gpus=8))
+    assert kept == 2 * experts and layer * qwen.moe.num_moe_layers == kept
+    assert saved_gathered_weights(qwen, Setup(zero_stage=3, gpus=8, checkpointing=True)) == (0, layer)
+    assert saved_gathered_weights(qwen, Setup(zero_stage=2, gpus=8)) == (0, 0)
+    assert saved_gathered_weights(qwen, Setup(zero_stage=3, gpus=1)) == (0, 0)
+    assert saved_gathered_weights(qwen, Setup(zero_stage=3, gpus=8, method="lora")) == (0, 0)
+    llama = load_model("meta-llama/Llama-3.1-8B")
+    kept, layer = saved_gathered_weights(llama, Setup(zero_stage=3, gpus=8, method="qlora", checkpointing=True))
+    quantized = sum(l.count * l.weight_params for l in llama.linears if l.role != "head")
+    assert kept == pytest.approx(quantized / 2, rel=0.01) and layer * llama.num_layers == pytest.approx(kept, rel=0.01)
+
+
+def test_quantized_base_under_zero_is_16bit_beside_the_packed_weights(llama8b):
+    """transformers builds a bitsandbytes model outside zero.Init, so the engine casts every
+    floating parameter (prepare_model_for_kbit_training's fp32 norms/embeddings, the adapters) to
+    bf16 at every stage; stage 3 partitions the packed 4-bit weights (stored as bf16) too."""
+    from vramplan.estimator.activations import adapter_dtype_bytes, compute_bytes
+
+    for stage in (2, 3):
+        s = Setup(method="qlora", zero_stage=stage, gpus=4)
+        assert compute_bytes(s) == 2 and adapter_dtype_bytes(s) == 2
+    assert compute_bytes(Setup(method="qlora")) == 4  # without DeepSpeed: prepared in fp32
+    trainable = estimate(llama8b, Setup(method="qlora", zero_stage=3, gpus=4)).params_trainable
+    q3 = zero_memory(llama8b, Setup(method="qlora", zero_stage=3, gpus=4), trainable)
+    l3 = zero_memory(llama8b, Setup(method="lora", zero_stage=3, gpus=4), trainable)
+    q2 = zero_memory(llama8b, Setup(method="qlora", zero_stage=2, gpus=4), trainable)
+    assert q3.weights < 0.4 * l3.weights  # a quarter of the base's bytes, partitioned, + quant state
+    assert q3.weights < q2.weights / 3  # stage 2 keeps the whole packed base on every rank

@@ -47,6 +47,15 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
         )
     if setup.adapters:
         warnings += _check_lora(model, setup)
+    experts = sum(n for name, n in model.other_params if name == "experts")
+    if experts and setup.quant in ("int8", "nf4", "fp4"):
+        # transformers 5 stores the routed experts as fused 3-D parameters, not Linears: bitsandbytes
+        # leaves them unquantized and prepare_model_for_kbit_training upcasts them to fp32.
+        warnings.append(
+            f"{model.name}'s {experts / 1e9:.1f}B expert parameters are fused 3-D tensors that bitsandbytes "
+            f"does not quantize; --quant {setup.quant} keeps them in fp32 (4 bytes each), more than a 16-bit "
+            "LoRA base needs"
+        )
     if gpu is not None and not gpu.bf16 and setup.precision in ("bf16", "bf16-mixed"):
         warnings.append(f"{gpu.display_name} has no bf16; train it with --precision fp16-mixed (or fp32)")
     return warnings

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import click
 
-from .specs import ATTENTIONS, LOSSES, METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, Setup, SpecError
+from .specs import (ATTENTIONS, FSDP_MODES, LOSSES, METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, Setup,
+                    SpecError)
 
 _DEFAULT = Setup()
 
@@ -75,10 +76,12 @@ def _user_errors(fn: Callable) -> Callable:
 _FLAG = {
     "method": "--method", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
     "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "quant": "--quant",
-    "double_quant": "--double-quant", "precision": "--precision", "optimizer": "--optimizer",
+    "double_quant": "--double-quant", "quant_bits": "--quant-bits", "quant_group_size": "--quant-group-size",
+    "precision": "--precision", "optimizer": "--optimizer",
     "checkpointing": "--checkpointing", "attn": "--attn", "batch": "--batch", "seq": "--seq",
     "grad_accum": "--grad-accum", "zero_stage": "--zero", "offload_optimizer": "--offload-optimizer",
     "offload_params": "--offload-params", "gpus": "--gpus", "loss": "--loss", "pad_mask": "--pad-mask",
+    "fsdp": "--fsdp",
 }
 
 _SETUP_OPTIONS = [
@@ -90,7 +93,12 @@ _SETUP_OPTIONS = [
     click.option("--lora-targets", default=_DEFAULT.lora_targets, show_default=True,
                  help="'all-linear' or comma-separated module names (q_proj,v_proj)."),
     click.option("--quant", type=click.Choice(QUANTS), default=_DEFAULT.quant, show_default=True,
-                 help="Base-weight quantization (qlora implies nf4)."),
+                 help="Base-weight quantization (qlora implies nf4; gptq/awq: a pre-quantized checkpoint, "
+                      "--method lora)."),
+    click.option("--quant-bits", type=int, default=_DEFAULT.quant_bits, show_default=True,
+                 help="GPTQ/AWQ bits per weight (gptq: 2, 3, 4, 8; awq: 4)."),
+    click.option("--quant-group-size", type=int, default=_DEFAULT.quant_group_size, show_default=True,
+                 help="GPTQ/AWQ input channels per scale group (-1: per output channel)."),
     click.option("--double-quant/--no-double-quant", default=_DEFAULT.double_quant, show_default=True,
                  help="Quantize the 4-bit scales too (bitsandbytes bnb_4bit_use_double_quant)."),
     click.option("--precision", type=click.Choice(PRECISIONS), default=_DEFAULT.precision, show_default=True),
@@ -108,7 +116,9 @@ _SETUP_OPTIONS = [
     click.option("--offload-optimizer", type=click.Choice(OFFLOADS), default=_DEFAULT.offload_optimizer,
                  show_default=True, help="ZeRO optimizer offload (needs --zero 1/2/3)."),
     click.option("--offload-params", type=click.Choice(OFFLOADS), default=_DEFAULT.offload_params,
-                 show_default=True, help="ZeRO parameter offload (needs --zero 3)."),
+                 show_default=True, help="ZeRO parameter offload (needs --zero 3); with --fsdp, FSDP's CPU offload."),
+    click.option("--fsdp", type=click.Choice(FSDP_MODES), default=_DEFAULT.fsdp, show_default=True,
+                 help="PyTorch FSDP sharding (accelerate's FSDP1) instead of ZeRO."),
     click.option("--gpus", type=int, default=_DEFAULT.gpus, show_default=True, help="Number of GPUs (data parallel)."),
     click.option("--loss", type=click.Choice(LOSSES), default=_DEFAULT.loss, show_default=True,
                  help="hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk."),
@@ -205,7 +215,8 @@ def describe(setup: Setup) -> str:
         if setup.lora_targets != "all-linear":
             parts[0] += f" on {setup.lora_targets}"
     if setup.quant != "none":
-        parts.append(f"{setup.quant} base" + (" (double quant)" if setup.double_quant and setup.quant in ("nf4", "fp4") else ""))
+        parts.append(f"{setup.quant} base" + (" (double quant)" if setup.double_quant and setup.quant in ("nf4", "fp4") else "")
+                     + (f" ({setup.quant_bits}-bit, group {setup.quant_group_size})" if setup.quant in ("gptq", "awq") else ""))
     parts += [setup.precision, setup.optimizer, f"batch {setup.batch} x seq {setup.seq}"]
     if setup.grad_accum > 1:
         parts.append(f"grad accum {setup.grad_accum}")
@@ -220,6 +231,8 @@ def describe(setup: Setup) -> str:
         parts.append(f"{setup.gpus} GPUs")
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
+    if setup.fsdp != "none":
+        parts.append(f"FSDP {setup.fsdp.upper()}")
     if setup.offload_optimizer != "none":
         parts.append(f"optimizer offload to {setup.offload_optimizer}")
     if setup.offload_params != "none":

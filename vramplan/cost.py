@@ -14,7 +14,9 @@ profile's published rates (``profiles/gpus.json``):
   Gradient checkpointing recomputes one forward per micro-batch (+``2N`` + attention).
 - **dequantization**: a bitsandbytes 4-bit/8-bit base is dequantized to the compute dtype before
   every matmul that uses it (forward, backward, recompute): memory-bound traffic at
-  :data:`DEQUANT_BW_EFFICIENCY` of the card's bandwidth.
+  :data:`DEQUANT_BW_EFFICIENCY` of the card's bandwidth. A GPTQ base is dequantized by gptqmodel's
+  torch path once per forward (the backward reuses the saved copy), an AWQ base by its GEMM kernel
+  in every backward and in forwards over 1024 rows (:func:`dequant_passes`).
 - **optimizer**: the update is memory-bound; bytes touched per trainable parameter over the
   card's bandwidth (:data:`OPTIMIZER_BYTES_PER_PARAM`), or, offloaded, DeepSpeed's CPU Adam
   (:data:`CPU_ADAM_PARAMS_PER_S`) plus gradients down and parameters up over the host link.
@@ -66,6 +68,12 @@ DEQUANT_BW_EFFICIENCY = 0.25
 #: Bytes moved per quantized parameter per dequantization: read the packed weight, write the
 #: compute-dtype copy, read it again in the matmul.
 DEQUANT_BYTES_PER_PARAM = {"nf4": 0.5 + 2 + 2, "fp4": 0.5 + 2 + 2, "int8": 1 + 2 + 2}
+#: GPTQ trains through gptqmodel's torch dequantization (int32 shifts, int8 codes, gathered
+#: scales and zeros, the 16-bit product: each intermediate written and read once, ~6 B per weight
+#: at 4 bits, estimator.GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT), then the matmul reads the 16-bit copy;
+#: AWQ's GEMM kernel dequantizes straight to fp16 like bitsandbytes.
+GPTQ_DEQUANT_BYTES_PER_PARAM = {2: 0.25 + 2 * 6 + 2, 3: 0.375 + 2 * 14 + 2, 4: 0.5 + 2 * 6 + 2, 8: 1 + 2 * 8 + 2}
+AWQ_DEQUANT_BYTES_PER_PARAM = 0.5 + 2 + 2
 #: Share of the card's bandwidth an optimizer kernel reaches (fused/foreach elementwise kernels).
 OPTIMIZER_BW_EFFICIENCY = 0.7
 #: Bytes read + written per trainable parameter by one update, per weight byte ``w`` (param r/w,
@@ -233,8 +241,25 @@ def dequant_bytes_per_pass(model: ModelSpec, setup: Setup) -> float:
     """Bytes one dequantization of every quantized Linear moves (the head stays unquantized)."""
     if setup.quant == "none":
         return 0.0
+    if setup.quant in ("gptq", "awq"):  # the head and MoE routers stay 16-bit
+        quantized = sum(l.count * l.weight_params for l in model.linears if l.role not in ("head", "router"))
+        per = GPTQ_DEQUANT_BYTES_PER_PARAM[setup.quant_bits] if setup.quant == "gptq" else AWQ_DEQUANT_BYTES_PER_PARAM
+        return quantized * per
     quantized = sum(l.count * l.weight_params for l in model.linears if l.role != "head")
     return quantized * DEQUANT_BYTES_PER_PARAM[setup.quant]
+
+
+def dequant_passes(setup: Setup) -> int:
+    """How often each quantized weight is dequantized per micro-step. bitsandbytes: every use.
+    GPTQ: each forward (and recompute); the backward reuses the copy the forward saved. AWQ's GEMM
+    kernel: every backward, and a forward (or recompute) only over 1024 rows (below, its fused
+    kernel reads the packed weight)."""
+    if setup.quant == "gptq":
+        return 2 if setup.checkpointing else 1
+    if setup.quant == "awq":
+        fwd = 1 if setup.tokens > 1024 else 0
+        return 1 + fwd * (2 if setup.checkpointing else 1)
+    return passes_per_micro_step(setup)
 
 
 def passes_per_micro_step(setup: Setup) -> int:
@@ -247,9 +272,21 @@ def _nvme_per_gpu(setup: Setup, nodes: int) -> float:
     return NVME_GBPS * 1e9 / (setup.gpus // nodes)
 
 
+#: PyTorch FSDP's traffic and optimizer share, as the ZeRO stage that moves the same bytes:
+#: FULL_SHARD gathers the parameters for every pass and reduce-scatters the gradients (ZeRO-3),
+#: SHARD_GRAD_OP gathers them once per micro-step and keeps them to the backward (ZeRO-2's
+#: gradient reduce-scatter plus that gather), NO_SHARD all-reduces (DDP).
+FSDP_AS_ZERO = {"none": 0, "full_shard": 3, "shard_grad_op": 2, "no_shard": 0}
+
+
+def sharding_stage(setup: Setup) -> int:
+    """The ZeRO stage, or the one FSDP's sharding moves the same bytes as."""
+    return setup.zero_stage or FSDP_AS_ZERO[setup.fsdp]
+
+
 def optimizer_update_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> float:
     """One optimizer update of this GPU's share of the trainable parameters."""
-    n = k.trainable_params / (setup.gpus if setup.zero_stage >= 1 else 1)
+    n = k.trainable_params / (setup.gpus if sharding_stage(setup) >= 1 else 1)
     w = 4.0 if setup.adapters else _weight_bytes_per_param(setup)
     if setup.offload_optimizer != "none":
         # gradients down, updated half-precision parameters up, CPU Adam on the node's share
@@ -288,11 +325,15 @@ def comm_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> tuple[fl
     bw = ring_bandwidth(gpu, nodes)
     G, W = _grad_bytes(setup, k), k.weight_bytes
     per_micro = per_step = 0.0
-    if setup.zero_stage <= 1:
+    stage = sharding_stage(setup)
+    if setup.fsdp == "shard_grad_op":
+        per_micro += ring * W  # the forward's all-gather, kept for the backward
+    if stage <= 1:
         per_step += 2 * ring * G  # all-reduce (ZeRO-1: reduce-scatter + all-gather of the update)
-    elif setup.zero_stage == 2:
+    elif stage == 2:
         per_micro += ring * G  # reduce-scatter every micro-step into the partitioned gradients
-        per_step += ring * (G if setup.adapters else W)  # all-gather the updated partitions
+        if setup.fsdp == "none":  # all-gather the updated partitions (FSDP: the next forward does)
+            per_step += ring * (G if setup.adapters else W)
     else:
         per_micro += ring * G + passes_per_micro_step(setup) * ring * W
     return per_micro / bw, per_step / bw
@@ -310,7 +351,7 @@ def step_cost(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, nodes:
     attn = attention_flops_per_token(model, setup) * (EAGER_ATTENTION_SLOWDOWN - 1.0 if eager else 0.0)
     compute = ga * tokens * (train_flops_per_token(model, setup, k) + 3 * attn) / rate
     recompute = ga * tokens * (recompute_flops_per_token(model, setup, k) + attn) / rate if setup.checkpointing else 0.0
-    dequant = ga * passes_per_micro_step(setup) * k.dequant_bytes_per_pass / (_bandwidth(gpu) * DEQUANT_BW_EFFICIENCY)
+    dequant = ga * dequant_passes(setup) * k.dequant_bytes_per_pass / (_bandwidth(gpu) * DEQUANT_BW_EFFICIENCY)
     micro, step = comm_s(setup, gpu, nodes, k)
     return StepCost(
         compute_s=compute,

@@ -123,7 +123,10 @@ def library_versions() -> dict[str, str | None]:
 
 
 def vramplan_commit() -> str | None:
-    """``git describe --always --dirty`` of the checkout vramplan runs from (None outside git)."""
+    """``git describe --always --dirty`` of the checkout vramplan runs from (None outside git);
+    ``$VRAMPLAN_COMMIT`` when set (a copy of the tree without its .git, as a device call sends)."""
+    if os.environ.get("VRAMPLAN_COMMIT"):
+        return os.environ["VRAMPLAN_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "-C", str(here), "describe", "--always", "--dirty", "--abbrev=12"],
@@ -224,9 +227,21 @@ def _estimate_json(plan: Plan, gpu: GpuSpec | None) -> dict:
     return estimate(load_model(plan.model), plan.setup, gpu, DEFAULT_CORRECTIONS).to_json()
 
 
+def check_measurable(setup) -> None:
+    """Raise SpecError for a setup a measurement cannot build: runs start from random weights made
+    from the config, and a GPTQ/AWQ base only exists as a pre-quantized checkpoint (loaded by
+    gptqmodel's kernels), so those plans are estimate-only."""
+    if setup.quant in ("gptq", "awq"):
+        raise SpecError(f"--quant {setup.quant} cannot be measured: runs build random weights from the config, and a "
+                        f"{setup.quant.upper()} base needs a pre-quantized checkpoint; run the emitted train.py "
+                        "with --model instead")
+
+
 def prepare(plan: Plan, options: MeasureOptions, workdir: str | os.PathLike) -> dict:
     """Emit the plan's files into ``workdir/emitted`` and return the worker request for them."""
     from .emit import emit_to_dir
+
+    check_measurable(plan.setup)
 
     emitted = Path(workdir) / "emitted"
     emit_to_dir(plan, emitted, ("trainer",), force=True)
@@ -393,13 +408,33 @@ def save(measurement: Measurement, directory: str | os.PathLike = RECORDS_DIR) -
     return append_record(records_path(directory, measurement.device, hardware), measurement.to_json())
 
 
+def cpu_comparable(setup: Setup) -> str | None:
+    """Why a CPU run's live-tensor peak cannot be compared with the estimate's device peak, or
+    None when it can. Offloaded optimizer states and parameters live in the same CPU memory as
+    the "device" tensors, and a live-tensor count cannot tell them apart (the distributed truth,
+    ``vramplan validate --knob zero``, splits them by owner)."""
+    if setup.offload_optimizer != "none" or setup.offload_params != "none":
+        return ("offloaded state shares the CPU's memory with the device tensors, so this run has no device/host "
+                "split: `vramplan validate --knob zero` (or --knob fsdp) checks offload per rank")
+    return None
+
+
 def comparison(m: Measurement) -> dict[str, dict[str, Any]]:
-    """Estimate vs measured per headline quantity: bytes and relative error (estimate/measured - 1)."""
+    """Estimate vs measured per headline quantity: bytes and relative error (estimate/measured - 1).
+
+    On the CPU, bitsandbytes' paged optimizer states are ordinary tensors (on CUDA they are
+    managed memory outside torch's counters), so a CPU run's tensor peak is compared with the
+    estimate's plus its ``paged_optimizer_states``; a CPU run with offload is not compared
+    (:func:`cpu_comparable`)."""
     out = {}
     for key in ("tensor_peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes"):
         est, got = m.estimate.get(key), m.measured.get(key)
         if est is None or not got:
             continue
+        if m.device == "cpu" and key == "tensor_peak_bytes":
+            if cpu_comparable(m.setup) is not None:
+                continue
+            est += sum(c["bytes"] for c in m.estimate.get("components", ()) if c["name"] == "paged_optimizer_states")
         out[key] = {"estimate": est, "measured": got, "error": est / got - 1}
     return out
 
@@ -409,6 +444,7 @@ __all__ = [
     "Measurement",
     "append_record",
     "comparison",
+    "cpu_comparable",
     "measure_plan",
     "measure_plans",
     "measurement_key",

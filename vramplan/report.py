@@ -28,9 +28,13 @@ COLORS: dict[str, tuple[str, str]] = {
     "activations": ("green", "#3a9a4a"),
     "checkpointed_inputs": ("green", "#3a9a4a"),
     "recompute": ("bright_green", "#86c98f"),
+    "dequantized_weights": ("bright_cyan", "#6fd0dc"),
+    "dequantization": ("bright_cyan", "#6fd0dc"),
     "model_io_activations": ("yellow", "#d8a93b"),
     "logits_loss": ("bright_yellow", "#eccf78"),
     "deepspeed_buffers": ("bright_magenta", "#d79be0"),
+    "ddp_buckets": ("bright_magenta", "#d79be0"),
+    "fsdp_gathered": ("bright_blue", "#7fa7e0"),
     "other": ("white", "#9a9a9a"),
 }
 _OTHER = COLORS["other"]

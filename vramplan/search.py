@@ -69,8 +69,9 @@ MAX_PROBED_MICRO_BATCH = 4096
 
 #: Setup fields a user may fix; everything else of Setup is fixed by the target or the batch.
 FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quant", "double_quant",
+           "quant_bits", "quant_group_size",
            "precision", "optimizer", "checkpointing", "attn", "zero_stage", "offload_optimizer",
-           "offload_params", "loss", "batch", "grad_accum")
+           "offload_params", "loss", "batch", "grad_accum", "fsdp")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def quality(setup: Setup) -> int:
     r = min(setup.lora_rank, 256)
     if setup.quant == "none":
         return 600 + r
-    if setup.quant == "int8":
+    if setup.quant == "int8" or (setup.quant == "gptq" and setup.quant_bits == 8):
         return 300 + r
     return r
 
@@ -120,6 +121,8 @@ def savers_text(setup: Setup) -> str:
                                                                                               setup.optimizer))
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
+    if setup.fsdp != "none":
+        parts.append(f"FSDP {setup.fsdp.upper()}")
     offloaded = [w for w, v in (("optimizer", setup.offload_optimizer), ("params", setup.offload_params)) if v != "none"]
     if offloaded:
         kind = setup.offload_params if setup.offload_params != "none" else setup.offload_optimizer
@@ -337,12 +340,13 @@ class _Search:
         lora_knobs = any(k in f for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"))
         # a fixed LoRA knob means adapters unless the method is fixed too
         methods = self._choices("method", ("lora", "qlora") if lora_knobs else ("full", "lora", "qlora"))
-        # the bases searched per method; a fixed --quant picks the methods it is valid for
+        # the bases searched per method; a fixed --quant picks the methods it is valid for. GPTQ/AWQ
+        # need a pre-quantized checkpoint: searched only when the user fixes --quant gptq|awq
         bases = {"full": ("none",), "lora": ("none",), "qlora": ("nf4",)}
         if "quant" in f:
             q = f["quant"]
             bases = {"full": (q,) if q == "none" else (),
-                     "lora": (q,) if q in ("none", "int8") or f.get("method") == "lora" else (),
+                     "lora": (q,) if q in ("none", "int8", "gptq", "awq") or f.get("method") == "lora" else (),
                      "qlora": (q,) if q in ("nf4", "fp4") else ()}
         combos = [(method, q) for method in methods for q in bases[method]]
         gpu = self.target.gpu
@@ -367,24 +371,31 @@ class _Search:
         # ascending rank within a method, so failures at a low rank answer the higher ranks
         return sorted(out, key=lambda s: (s.method, s.quant, s.lora_rank))
 
-    def placements(self) -> list[tuple[int, str, str]]:
-        """(ZeRO stage, optimizer offload, parameter offload) worth trying on this target."""
+    def placements(self) -> list[tuple[int, str, str, str]]:
+        """(ZeRO stage, optimizer offload, parameter offload, FSDP sharding) worth trying on this
+        target. Several GPUs also try PyTorch FSDP (FULL_SHARD, SHARD_GRAD_OP, FULL_SHARD with
+        CPU offload) beside ZeRO; one GPU only when FSDP is asked for."""
         n, f = self.target.gpus, self.fixed
         offl = ("cpu", "nvme") if self.target.nvme else ("cpu",)
-        if any(k in f for k in ("zero_stage", "offload_optimizer", "offload_params")):
-            allowed = [(z, o, p) for z in (0, 1, 2, 3) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
+        fsdp = [(0, "none", "none", m) for m in ("full_shard", "shard_grad_op")] + [(0, "cpu", "cpu", "full_shard")]
+        if any(k in f for k in ("zero_stage", "offload_optimizer", "offload_params", "fsdp")):
+            allowed = [(z, o, p, "none") for z in (0, 1, 2, 3) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
+            if n > 1 or "fsdp" in f:
+                allowed += [(0, o, o, m) for m in ("full_shard", "shard_grad_op", "no_shard") for o in ("none", "cpu")]
         elif n == 1:
-            allowed = [(0, "none", "none")] + [(2, o, "none") for o in offl] + [(3, o, o) for o in offl]
+            allowed = [(0, "none", "none", "none")] + [(2, o, "none", "none") for o in offl] + [(3, o, o, "none") for o in offl]
         else:
-            allowed = [(z, "none", "none") for z in (0, 1, 2, 3)]
-            allowed += [(2, o, "none") for o in offl] + [(3, o, "none") for o in offl] + [(3, o, o) for o in offl]
+            allowed = [(z, "none", "none", "none") for z in (0, 1, 2, 3)]
+            allowed += [(2, o, "none", "none") for o in offl] + [(3, o, "none", "none") for o in offl]
+            allowed += [(3, o, o, "none") for o in offl] + fsdp
         out = []
-        for z, o, p in allowed:
-            if f.get("zero_stage", z) != z or f.get("offload_optimizer", o) != o or f.get("offload_params", p) != p:
+        for z, o, p, m in allowed:
+            if (f.get("zero_stage", z) != z or f.get("offload_optimizer", o) != o or f.get("offload_params", p) != p
+                    or f.get("fsdp", m) != m):
                 continue
-            if (p != "none" and z != 3) or (o != "none" and z == 0):
+            if m == "none" and ((p != "none" and z != 3) or (o != "none" and z == 0)):
                 continue
-            out.append((z, o, p))
+            out.append((z, o, p, m))
         return out
 
     def savers(self, family: Setup) -> list[Setup]:
@@ -395,15 +406,18 @@ class _Search:
         if self.model.default_attn == "eager" and (cc is None or float(cc) >= 8.0):
             attns = ("auto", "flash")  # FlashAttention-2 keeps no s x s scores (needs Ampere+)
         out = []
-        for z, o, p in self.placements():
+        for z, o, p, m in self.placements():
             optimizers = ("adamw-fused",) if o != "none" else ("adamw-fused", "adamw-8bit")
             for opt in self._choices("optimizer", optimizers):
                 if o != "none" and opt not in ("adamw", "adamw-fused"):
                     continue
                 for ck in self._choices("checkpointing", (False, True)):
                     for attn in self._choices("attn", attns):
-                        out.append(family.replace(zero_stage=z, offload_optimizer=o, offload_params=p,
-                                                  optimizer=opt, checkpointing=ck, attn=attn))
+                        try:  # a GPTQ/AWQ base refuses ZeRO placements
+                            out.append(family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m,
+                                                      optimizer=opt, checkpointing=ck, attn=attn))
+                        except SpecError:
+                            continue
         return out
 
     # -- the search ---------------------------------------------------------------------------------
@@ -558,7 +572,7 @@ def _rank_key(s: Setup) -> tuple:
 
 def _placement(s: Setup) -> tuple:
     """Saver configurations that share a placement are ordered by memory (see _saving)."""
-    return (s.zero_stage, s.offload_optimizer, s.offload_params, s.precision)
+    return (s.zero_stage, s.offload_optimizer, s.offload_params, s.fsdp, s.precision)
 
 
 def _saving(s: Setup) -> tuple[int, int, int]:
@@ -615,9 +629,9 @@ def _check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int, seq: int) -
     probe = dict(fixed)
     if probe.get("quant", "none") != "none" and "method" not in probe:
         probe["method"] = "qlora" if probe["quant"] in ("nf4", "fp4") else "lora"
-    if probe.get("offload_params", "none") != "none":
+    if probe.get("offload_params", "none") != "none" and probe.get("fsdp", "none") == "none":
         probe.setdefault("zero_stage", 3)
-    if probe.get("offload_optimizer", "none") != "none":
+    if probe.get("offload_optimizer", "none") != "none" and probe.get("fsdp", "none") == "none":
         probe.setdefault("zero_stage", 2)
     if probe.get("offload_optimizer", "none") != "none" and probe.get("optimizer", "adamw") not in ("adamw", "adamw-fused"):
         raise SpecError(f"--optimizer {probe['optimizer']} cannot be offloaded: DeepSpeed's offload runs its own "

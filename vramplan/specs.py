@@ -18,12 +18,20 @@ class SpecError(ValueError):
 
 
 METHODS = ("full", "lora", "qlora")
-QUANTS = ("none", "int8", "nf4", "fp4")
+QUANTS = ("none", "int8", "nf4", "fp4", "gptq", "awq")
+#: Pre-quantized bases (a GPTQ/AWQ checkpoint loaded through gptqmodel): the bits and group sizes
+#: their training kernels take (gptqmodel 7.7 TorchLinear / AwqGEMMLinear SUPPORTS_BITS/GROUP_SIZE).
+PREQUANTIZED = ("gptq", "awq")
+QUANT_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,)}
+QUANT_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 PRECISIONS = ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "lion")
 ATTENTIONS = ("auto", "sdpa", "eager", "flash")
 OFFLOADS = ("none", "cpu", "nvme")
 LOSSES = ("hf", "chunked")
+#: PyTorch FSDP sharding as accelerate names it (lower case): none, or FULL_SHARD / SHARD_GRAD_OP /
+#: NO_SHARD (HYBRID_SHARD needs nodes and a 2-D mesh: not a Setup choice yet)
+FSDP_MODES = ("none", "full_shard", "shard_grad_op", "no_shard")
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -191,6 +199,10 @@ class Setup:
     lora_targets: str = "all-linear"  # peft vocabulary: "all-linear" or comma-separated module names
     quant: str = "none"  # base weights: none | int8 | nf4 | fp4 (qlora defaults to nf4)
     double_quant: bool = True
+    #: GPTQ/AWQ only: bits per weight and input channels per scale/zero group (-1: one group over
+    #: all input channels, i.e. per output channel)
+    quant_bits: int = 4
+    quant_group_size: int = 128
     precision: str = "bf16"
     optimizer: str = "adamw"
     checkpointing: bool = False
@@ -206,6 +218,9 @@ class Setup:
     #: the batch carries a padded ``attention_mask`` (a collator padding to the longest sequence):
     #: SDPA then gets an explicit boolean mask instead of ``is_causal``
     pad_mask: bool = False
+    #: PyTorch FSDP (accelerate's FSDP1 plugin) sharding strategy; ``offload_params="cpu"`` with it
+    #: is FSDP's CPU offload (parameters, gradients and the optimizer step on the host)
+    fsdp: str = "none"
 
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)
@@ -226,16 +241,53 @@ class Setup:
             raise SpecError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.method == "qlora" and self.quant == "none":
             object.__setattr__(self, "quant", "nf4")
+        if self.quant in PREQUANTIZED or (self.quant_bits, self.quant_group_size) != (4, 128):
+            self._check_prequantized()
         if self.method == "full" and self.quant != "none":
             raise SpecError("a quantized base cannot be fully fine-tuned; use --method lora/qlora or --quant none")
         if self.method == "qlora" and self.quant == "int8":
             raise SpecError("qlora means a 4-bit base; for an 8-bit base use --method lora --quant int8")
-        if self.offload_params != "none" and self.zero_stage != 3:
-            raise SpecError("offloading parameters needs ZeRO stage 3 (--zero 3)")
-        if self.offload_optimizer != "none" and self.zero_stage == 0:
+        _choice("fsdp", self.fsdp, FSDP_MODES)
+        if self.fsdp != "none":
+            if self.zero_stage:
+                raise SpecError("use DeepSpeed ZeRO or FSDP, not both (--zero 0 or --fsdp none)")
+            if "nvme" in (self.offload_params, self.offload_optimizer):
+                raise SpecError("FSDP offloads to CPU only; NVMe offload needs DeepSpeed ZeRO (--zero)")
+            if self.offload_optimizer != "none" and self.offload_params == "none":
+                raise SpecError("FSDP's CPU offload moves parameters, gradients and the optimizer together: "
+                                "use --offload-params cpu")
+            if self.offload_params == "cpu":  # FSDP steps the optimizer where the shards are: the host
+                object.__setattr__(self, "offload_optimizer", "cpu")
+        elif self.offload_params != "none" and self.zero_stage != 3:
+            raise SpecError("offloading parameters needs ZeRO stage 3 (--zero 3) or FSDP (--fsdp)")
+        elif self.offload_optimizer != "none" and self.zero_stage == 0:
             raise SpecError("offloading the optimizer needs ZeRO (--zero 1, 2 or 3)")
         if not self.lora_targets.strip():
             raise SpecError("lora_targets must name modules or be 'all-linear'")
+
+    def _check_prequantized(self) -> None:
+        """GPTQ/AWQ: LoRA on a pre-quantized checkpoint, in fp16/bf16, without ZeRO or FSDP."""
+        q = self.quant
+        if q not in PREQUANTIZED:
+            raise SpecError(f"--quant-bits and --quant-group-size apply to a GPTQ or AWQ base (--quant gptq|awq), "
+                            f"not {q}")
+        name = q.upper()
+        a = "an" if q == "awq" else "a"
+        if self.method == "full":
+            raise SpecError(f"{a} {name} base cannot be fully fine-tuned (its weights are packed integers); "
+                            f"use --method lora --quant {q}")
+        if self.method == "qlora":
+            raise SpecError(f"qlora means a bitsandbytes 4-bit base; for {a} {name} base use --method lora --quant {q}")
+        if self.quant_bits not in QUANT_BITS[q]:
+            raise SpecError(f"quant_bits must be one of {', '.join(map(str, QUANT_BITS[q]))} for {q}; got {self.quant_bits!r}")
+        if self.quant_group_size not in QUANT_GROUP_SIZES[q]:
+            raise SpecError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES[q]))} for {q}; "
+                            f"got {self.quant_group_size!r}")
+        if self.precision not in ("bf16", "fp16"):
+            raise SpecError(f"{a} {name} base runs in fp16 or bf16 (its kernels' dtypes); use --precision fp16 or bf16")
+        if self.zero_stage or getattr(self, "fsdp", "none") != "none":
+            raise SpecError(f"{a} {name} base under DeepSpeed ZeRO or FSDP is not modelled (its packed weights are "
+                            "buffers they neither shard nor cast); use --zero 0 and no --fsdp")
 
     @property
     def adapters(self) -> bool:

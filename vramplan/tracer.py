@@ -331,6 +331,9 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if setup.quant in ("gptq", "awq"):
+        raise NotTraceable(f"{setup.quant.upper()} bases need gptqmodel and a pre-quantized checkpoint; they are not "
+                           "traced (estimate only: docs/commands/validate.md)")
     if setup.quant != "none":
         raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; it needs a real run (the measured tier)")
     if setup.zero_stage or setup.gpus > 1:

@@ -60,6 +60,31 @@ def bnb_4bit_tensor_bytes(numel: int, double_quant: bool) -> int:
     return -(-numel // 2) + scales + 16 * 4
 
 
+def gptq_linear_bytes(in_features: int, out_features: int, bits: int, group_size: int, bias: bool) -> int:
+    """Bytes of one GPTQ Linear as gptqmodel holds it (``GPTQQuantLinear._register_gptq_buffers``,
+    gptqmodel 7.7; the layout of AutoGPTQ and of the checkpoints on the Hub): ``qweight`` int32
+    [ceil(in * bits / 32), out], ``qzeros`` int32 [ceil(in / g), ceil(out * bits / 32)], ``scales``
+    fp16 [ceil(in / g), out], ``g_idx`` int32 [in], ``bias`` fp16 [out]. ``group_size`` -1 is one
+    group over all inputs (per output channel). 4 bits, g=128: 0.5 + 2/128 + 4/in B per weight,
+    about 0.516 B per parameter plus 4 B per input channel."""
+    g = in_features if group_size == -1 else group_size
+    groups = -(-in_features // g)
+    qweight = 4 * -(-in_features * bits // 32) * out_features
+    qzeros = 4 * groups * -(-out_features * bits // 32)
+    return qweight + qzeros + 2 * groups * out_features + 4 * in_features + (2 * out_features if bias else 0)
+
+
+def awq_linear_bytes(in_features: int, out_features: int, bits: int, group_size: int, bias: bool) -> int:
+    """Bytes of one AWQ Linear in the GEMM layout (``AWQuantLinear`` in gptqmodel 7.7, AutoAWQ's
+    ``WQLinear_GEMM``): ``qweight`` int32 [in, out * bits / 32] (packed along the outputs),
+    ``qzeros`` int32 [in / g, out * bits / 32], ``scales`` fp16 [in / g, out], ``bias`` fp16 [out];
+    no ``g_idx``. The same 0.516 B per parameter as GPTQ at 4 bits, g=128, without the 4 B per input."""
+    g = in_features if group_size == -1 else group_size
+    groups = in_features // g
+    packed_out = -(-out_features * bits // 32)
+    return 4 * in_features * packed_out + 4 * groups * packed_out + 2 * groups * out_features + (2 * out_features if bias else 0)
+
+
 #: bitsandbytes keeps 32-bit optimizer states for tensors under this many elements
 #: (``min_8bit_size``); the per-optimizer rules are in estimator/optimizers.py.
 BNB_MIN_8BIT_SIZE = 4096

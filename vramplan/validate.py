@@ -7,7 +7,8 @@ Each :class:`Case` names a knob, a shipped model, a Setup and the truth that che
 - ``cpu-run``: a real step on this CPU (``vramplan.run.cpu_truth``) of the model narrowed by
   :func:`vramplan.run.cpu_truth.shrink_config`, for what fake tensors cannot run (bitsandbytes'
   quantized layers and optimizers);
-- ``deepspeed-N`` / ``fsdp-N``: rows from the distributed truth, when it is installed.
+- ``deepspeed-N`` / ``fsdp-N`` / ``ddp-N``: rows from the distributed truths (N real processes:
+  ``vramplan.run.distributed`` for ZeRO, ``vramplan.run.fsdp`` for FSDP and DDP), when installed.
 
 Knobs that cannot be checked here are rows with ``verified=False`` and the reason. The summary
 gives, per knob, the median and worst relative error of the tensor peak.
@@ -33,7 +34,7 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 
 #: Knobs in table order.
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
-         "moe", "loss", "gptq_awq", "zero", "fsdp", "device_overheads", "measured")
+         "moe", "loss", "gptq_awq", "zero", "fsdp", "ddp", "device_overheads", "measured")
 
 #: Where `vramplan measure` / `sweep` append their records (vramplan.measure.RECORDS_DIR).
 MEASUREMENTS = "calibration/measurements"
@@ -183,30 +184,44 @@ def measured_rows(records: str | os.PathLike = MEASUREMENTS) -> list[Row]:
 
 def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (), records: str | os.PathLike = MEASUREMENTS) -> list[Row]:
     """Rows of the knobs ``matrix`` does not cover (all, or those of ``knobs``): the distributed
-    truth's (``vramplan.run.distributed.zero_rows``, N real processes) for ZeRO/FSDP, the
+    truths' (N real processes: ``vramplan.run.distributed.zero_rows`` for ZeRO,
+    ``vramplan.run.fsdp.fsdp_rows`` for FSDP and DDP), the
     measured records (``measured_rows``), and the knobs with no truth on this machine, each with
     why."""
     wanted = set(knobs or KNOBS)
     rows: list[Row] = []
     if "measured" in wanted:
         rows += measured_rows(records)
-    if wanted & {"zero", "fsdp"}:
+    if wanted & {"zero", "fsdp", "ddp"}:
         try:
             from .run import (
-                distributed,  # the ZeRO/FSDP truth (N CPU processes), when installed
+                distributed,  # the ZeRO truth (N CPU processes), when installed
             )
         except ImportError:
             distributed = None
-        zero_rows = getattr(distributed, "zero_rows", None)
+        zero_rows = getattr(distributed, "zero_rows", None) if "zero" in wanted else None
         if zero_rows is not None:
             rows += [r for r in zero_rows(quick) if r.knob in wanted]
+        if wanted & {"fsdp", "ddp"}:
+            try:
+                from .run import (
+                    fsdp,  # the FSDP/DDP truth (N CPU processes), when installed
+                )
+            except ImportError:
+                fsdp = None
+            if fsdp is not None:
+                rows += [r for r in fsdp.fsdp_rows(quick) if r.knob in wanted]
         for knob in sorted(wanted & {"zero", "fsdp"} - {r.knob for r in rows}):
             rows.append(_unverified(knob, Setup(zero_stage=2, gpus=2) if knob == "zero" else Setup(gpus=2),
                                     f"no {knob} rows from the N-process truth (vramplan.run.distributed.zero_rows) yet"))
     if "gptq_awq" in wanted:
-        rows.append(_unverified("gptq_awq", Setup(method="lora"),
-                                "not modelled: GPTQ/AWQ bases are not a Setup choice yet, and their kernels "
-                                "(auto-gptq, autoawq) do not run on this CPU"))
+        rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
+                                "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "
+                                "checkpoints through gptqmodel, which needs torch>=2.14.1 (this environment pins "
+                                "2.13.0, so it is not installed) and a pre-quantized checkpoint; its CUDA training "
+                                "kernels (TritonV2Linear, AwqGEMMLinear) need a GPU. The packed bytes and GPTQ's "
+                                "saved dequantized weights were checked once against gptqmodel 7.7's CPU TorchLinear "
+                                "(docs/commands/validate.md)"))
     if "device_overheads" in wanted:
         rows.append(_unverified("device_overheads", Setup(),
                                 "needs a CUDA device: CUDA context, cuBLAS workspaces, NCCL and the caching "

@@ -63,9 +63,9 @@ def _parse_size(text: str | None, flag: str) -> int | None:
         raise SpecError(f"{flag}: {exc or f'cannot read {text!r}'}") from None
 
 
-def _require_run_extra(setups) -> None:
-    """Fail in one line, before anything runs or is recorded, when the worker's libraries are not
-    installed (found without importing them: this process stays torch-free)."""
+def _missing_libraries(setups) -> list[str]:
+    """The worker's libraries these setups need that are not installed (found without importing
+    them: this process stays torch-free)."""
     import importlib.util
 
     needed = ["torch", "transformers", "accelerate"]
@@ -75,7 +75,13 @@ def _require_run_extra(setups) -> None:
         needed.append("bitsandbytes")
     if any(s.zero_stage for s in setups):
         needed.append("deepspeed")
-    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    return [name for name in needed if importlib.util.find_spec(name) is None]
+
+
+def _require_run_extra(setups) -> None:
+    """Fail in one line, before anything runs or is recorded, when the worker's libraries are not
+    installed."""
+    missing = _missing_libraries(setups)
     if missing:
         raise SpecError(f"measuring needs the optional extra: pip install 'vramplan[run]' ({', '.join(missing)} "
                         f"{'is' if len(missing) == 1 else 'are'} missing)")
@@ -87,7 +93,7 @@ def print_measurement(m) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..measure import comparison
+    from ..measure import comparison, cpu_comparable
 
     console = Console()
     where = m.provenance.get("gpu_name") or m.device
@@ -107,6 +113,8 @@ def print_measurement(m) -> None:
     for key, row in comparison(m).items():
         table.add_row(key, _gib(row["estimate"]), _gib(row["measured"]), f"{row['error']:+.1%}")
     console.print(table)
+    if m.device == "cpu" and cpu_comparable(m.setup):
+        console.print(f"tensor_peak_bytes {_gib(meas.get('tensor_peak_bytes'))} not compared: {cpu_comparable(m.setup)}")
     extras = [(k, meas.get(k)) for k in ("active_peak_bytes", "cuda_context_bytes", "peak_rss_bytes")]
     console.print("  ".join(f"{k} {_gib(v)}" for k, v in extras if v is not None))
     if meas.get("tokens_per_s"):
@@ -168,6 +176,7 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
     else:
         load_model(target)  # a one-line error for an unknown model before anything runs
         plan, model_ref = None, target
+    m.check_measurable(plan.setup if plan is not None else setup)
     _require_run_extra([plan.setup if plan is not None else setup])
     scale = dict(m.DEFAULT_SCALE) if scale_down else None
     with tempfile.TemporaryDirectory(prefix="vramplan-scaled-") as tmp:
@@ -198,10 +207,13 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
               type=click.Path(file_okay=False), help="Directory of the .jsonl records (read to skip, appended to).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
               help="Override the matrix's device.")
-@click.option("--dry-run", is_flag=True, help="List the runs in order without running them.")
+@click.option("--dry-run", is_flag=True, help="List the runs in order, with their predicted seconds, without running them.")
+@click.option("--skip-unavailable", is_flag=True,
+              help="Leave out the runs whose libraries (bitsandbytes, deepspeed, ...) are not installed, instead of stopping.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the runs.")
 @_user_errors
-def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_run: bool, as_json: bool) -> None:
+def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_run: bool, skip_unavailable: bool,
+          as_json: bool) -> None:
     """Measure every setup of MATRIX (YAML), most informative first, within --budget.
 
     Setups already recorded in --records are skipped; a run that would start after the budget
@@ -215,16 +227,37 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
     done = sw.recorded_keys(records_dir)
     todo = [r for r in runs if r.key(spec) not in done]
     if dry_run:
-        rows = [{"name": r.name, "key": r.key(spec), "recorded": r.key(spec) in done, "score": r.score} for r in runs]
+        times = {t["name"]: t for t in sw.predicted_schedule(todo, seconds)}
+        rows = [{"name": r.name, "key": r.key(spec), "recorded": r.key(spec) in done, "score": r.score,
+                 **({k: v for k, v in times[r.name].items() if k != "name"} if r.name in times else {})}
+                for r in runs]
         if as_json:
             _print_json(rows)
         else:
+            where = spec.hardware or "an H200 (no GPU here)"
+            click.echo(f"{'':4}  {'run':<40} {'predicted':>9} {'cumulative':>10}   (seconds on {where})")
             for row in rows:
-                click.echo(f"{'skip' if row['recorded'] else 'run '}  {row['name']}")
+                if row["recorded"]:
+                    click.echo(f"skip  {row['name']:<40}")
+                    continue
+                late = "" if row["within_budget"] else "  past --budget"
+                click.echo(f"run   {row['name']:<40} {row['predicted_s']:>9.0f} {row['cumulative_s']:>10.0f}{late}")
+            total = max((t["cumulative_s"] for t in times.values()), default=0.0)
+            fit = sum(t["within_budget"] for t in times.values())
+            click.echo(f"predicted: {total:.0f} s for {len(times)} runs; {fit} fit in the --budget of {seconds:.0f} s")
         return
+    unavailable = []
+    if skip_unavailable:
+        unavailable = [r.name for r in todo if _missing_libraries([r.setup])]
+        if unavailable:
+            _warn(f"left out, their libraries are not installed: {', '.join(unavailable)}")
+        todo = [r for r in todo if r.name not in unavailable]
     _require_run_extra([r.setup for r in todo])
+    recorded = len(runs) - len(todo) - len(unavailable)
     summary = sw.run_sweep(spec, todo, seconds, records_dir, progress=not as_json)
-    summary["skipped_recorded"] = len(runs) - len(todo)
+    summary["skipped_recorded"] = recorded
+    if skip_unavailable:
+        summary["skipped_unavailable"] = unavailable
     if as_json:
         _print_json(summary)
     else:

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ..cli import _FLAG, _gpu_from, _print_json, _user_errors, _warn, describe, gpu_options, main
-from ..specs import ATTENTIONS, LOSSES, METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SpecError
+from ..specs import ATTENTIONS, FSDP_MODES, LOSSES, METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SpecError
 
 #: Plan keyword -> the flag a user typed, for error messages.
 _PLAN_FLAG = {**_FLAG, "global_batch": "--global-batch", "tokens_per_step": "--tokens-per-step",
@@ -64,6 +64,8 @@ _choice = click.Choice
 @click.option("--quant", type=_choice(QUANTS), help="Fix the base quantization  [default: searched]")
 @click.option("--no-quant", is_flag=True, help="Same as --quant none: an unquantized base.")
 @click.option("--double-quant/--no-double-quant", default=None, help="4-bit scales quantized too  [default: yes]")
+@click.option("--quant-bits", type=int, help="GPTQ/AWQ bits per weight  [default: 4]")
+@click.option("--quant-group-size", type=int, help="GPTQ/AWQ input channels per group, -1 per channel  [default: 128]")
 @click.option("--precision", type=_choice(PRECISIONS), help="[default: bf16, or fp16 on cards without bf16]")
 @click.option("--optimizer", type=_choice(OPTIMIZERS), help="[default: searched: adamw-fused or adamw-8bit]")
 @click.option("--checkpointing/--no-checkpointing", default=None, help="[default: searched]")
@@ -71,6 +73,8 @@ _choice = click.Choice
 @click.option("--zero", "zero_stage", type=_choice(["0", "1", "2", "3"]), help="Fix the ZeRO stage  [default: searched]")
 @click.option("--offload-optimizer", type=_choice(OFFLOADS), help="[default: searched]")
 @click.option("--offload-params", type=_choice(OFFLOADS), help="[default: searched]")
+@click.option("--fsdp", type=_choice(FSDP_MODES),
+              help="Fix PyTorch FSDP sharding instead of ZeRO (none: no FSDP)  [default: searched on several GPUs]")
 @click.option("--loss", type=_choice(LOSSES), help="[default: hf]")
 @click.option("--batch", type=int, help="Fix the micro-batch per GPU  [default: searched]")
 @click.option("--grad-accum", type=int, help="Fix the gradient accumulation  [default: from the global batch]")

@@ -19,7 +19,7 @@ from ..cli import _print_json, _user_errors, describe, main
 @click.option("--quick", is_flag=True, help="The small subset run in CI (one family, a few knobs).")
 @click.option("--knob", "knobs", multiple=True, metavar="K",
               help="Only these knobs (repeatable): canonical, quantization, optimizer, precision, attention, "
-                   "grad_accum, checkpointing, moe, loss, zero, fsdp, gptq_awq, device_overheads, measured.")
+                   "grad_accum, checkpointing, moe, loss, zero, fsdp, ddp, gptq_awq, device_overheads, measured.")
 @click.option("--measurements", default="calibration/measurements", show_default=True, metavar="DIR",
               help="Records of `vramplan measure`/`sweep`: the 'measured' truth column.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable rows and summary.")

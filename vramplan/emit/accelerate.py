@@ -14,9 +14,16 @@ import yaml
 from ..specs import Plan
 from .common import DS_CONFIG, FSDP_STRATEGIES, MAIN_PORT, comment, fsdp_mode, header_lines
 
-#: Setup.precision -> accelerate's mixed_precision (pure bf16 weights run with bf16 autocast, as
-#: the Trainer does for them).
+#: Setup.precision -> accelerate's mixed_precision under FSDP: pure bf16 runs FSDP's bf16
+#: MixedPrecision over fp32 shards (accelerate upcasts trainable shards), what vramplan.run.fsdp
+#: runs and estimator/fsdp.py models.
 _MIXED_PRECISION = {"bf16": "bf16", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
+
+#: Setup.precision -> accelerate's mixed_precision on one GPU and under DDP: autocast only for the
+#: "-mixed" precisions. ``accelerate launch`` exports it as ACCELERATE_MIXED_PRECISION, and the
+#: Trainer takes it from there whenever train.py passes neither bf16 nor fp16 -- so pure bf16
+#: must say "no" here, or the launched step would run under autocast, not the one estimated.
+_AUTOCAST = {"bf16": "no", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
 
 
 def accelerate_config(plan: Plan) -> dict:
@@ -46,7 +53,7 @@ def accelerate_config(plan: Plan) -> dict:
         cfg["mixed_precision"] = _MIXED_PRECISION[s.precision]
     else:
         cfg["distributed_type"] = "MULTI_GPU" if s.gpus > 1 else "NO"
-        cfg["mixed_precision"] = _MIXED_PRECISION[s.precision]
+        cfg["mixed_precision"] = _AUTOCAST[s.precision]
     cfg.update(
         downcast_bf16="no",
         machine_rank=0,

@@ -20,7 +20,8 @@ MODEL_CONFIG = "config.json"
 
 MAIN_PORT = 29500
 
-#: Setup.fsdp (when the Setup has that field) -> accelerate's FSDP sharding strategy.
+#: Setup.fsdp -> accelerate's FSDP sharding strategy (FSDP1, what the truth in vramplan/run/fsdp.py
+#: runs; hybrid_shard is not a Setup choice yet).
 FSDP_STRATEGIES = {
     "full_shard": "FULL_SHARD",
     "shard_grad_op": "SHARD_GRAD_OP",

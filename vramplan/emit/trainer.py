@@ -43,8 +43,12 @@ def script_plan(plan: Plan) -> dict:
     if s.adapters:
         data.update(lora_r=s.lora_rank, lora_alpha=s.alpha, lora_dropout=s.lora_dropout, lora_targets=s.lora_targets)
     data["quant"] = s.quant
-    if s.quant != "none":
+    if s.quant in ("gptq", "awq"):
+        data.update(quant_bits=s.quant_bits, quant_group_size=s.quant_group_size)
+    elif s.quant != "none":
         data["double_quant"] = s.double_quant
+        if s.quant in ("nf4", "fp4"):
+            data["quant_storage"] = _quant_storage(s)
     data.update(
         precision=s.precision,
         optim=TRAINER_OPTIM[s.optimizer],
@@ -61,11 +65,28 @@ def script_plan(plan: Plan) -> dict:
     return data
 
 
+def _quant_storage(s) -> str:
+    """The dtype bitsandbytes packs 4-bit weights into (``bnb_4bit_quant_storage``). Unsharded:
+    uint8. ZeRO-3 partitions them as parameters and DeepSpeed casts every parameter to its 16-bit
+    dtype at ``initialize`` (an fp32 storage would be cast element-wise, breaking the packing):
+    the 16-bit compute dtype. FSDP flattens them with the other weights of a unit: the load dtype
+    (fp32 for "-mixed")."""
+    if s.zero_stage == 3:
+        return "float16" if s.precision.startswith("fp16") else "bfloat16"
+    if getattr(s, "fsdp", "none") not in ("none", None):
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(s.precision, "float32")
+    return "uint8"
+
+
 def train_script(plan: Plan) -> str:
     """The text of train.py for ``plan``."""
     template = (resources.files("vramplan.emit") / "templates" / "train.py.tmpl").read_text(encoding="utf-8")
     real = _hub_id(plan) or "ID_OR_PATH"
-    header = comment(header_lines(plan, runs=f"random weights from {MODEL_CONFIG}; real weights: add --model {real}"))
+    runs = f"random weights from {MODEL_CONFIG}; real weights: add --model {real}"
+    if plan.setup.quant in ("gptq", "awq"):
+        runs = (f"needs --model: a pre-quantized {plan.setup.quant_bits}-bit {plan.setup.quant.upper()} checkpoint "
+                f"of {real} (random weights cannot be {plan.setup.quant.upper()}-quantized here)")
+    header = comment(header_lines(plan, runs=runs))
     body = "{\n" + "".join(f"    {key!r}: {value!r},\n" for key, value in script_plan(plan).items()) + "}"
     return template.replace("__HEADER__\n", header).replace("__PLAN__", body)
 

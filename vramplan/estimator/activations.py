@@ -108,8 +108,19 @@ def masked_layers(model: ModelSpec, setup: Setup) -> int:
 
 
 def mixed(setup: Setup) -> bool:
-    """Mixed precision: fp32 weights and residual stream, matmuls and attention under autocast."""
-    return setup.precision.endswith("-mixed")
+    """Mixed precision: fp32 weights and residual stream, matmuls and attention under autocast.
+    Not under DeepSpeed: accelerate leaves autocast to it (``native_amp`` is off for DeepSpeed)
+    and its bf16/fp16 engine casts the parameters to 16 bits (:func:`deepspeed_16bit`)."""
+    return setup.precision.endswith("-mixed") and not setup.zero_stage
+
+
+def deepspeed_16bit(setup: Setup) -> bool:
+    """DeepSpeed's bf16/fp16 engine (ZeRO with any precision but fp32) casts every floating-point
+    parameter of a model not built under ``zero.Init`` to 16 bits at ``initialize``
+    (``DeepSpeedEngine._cast_module_mixed_precision``): the fp32 weights of a ``-mixed`` load and
+    the embeddings, norms and head that ``prepare_model_for_kbit_training`` upcast on a quantized
+    base (which transformers never builds under ``zero.Init``) become 16-bit again."""
+    return bool(setup.zero_stage) and setup.precision != "fp32"
 
 
 def autocast_bytes(setup: Setup) -> int:
@@ -124,8 +135,10 @@ def compute_bytes(setup: Setup) -> int:
     """Bytes per element of the activations. A quantized base is prepared for k-bit training
     (peft ``prepare_model_for_kbit_training``), which upcasts the embeddings, norms and head to
     fp32: the residual stream, every projection's output (bitsandbytes casts its matmul result
-    back to the input's dtype) and the logits are fp32; only the matmuls run in the compute dtype."""
-    if setup.quant != "none":
+    back to the input's dtype) and the logits are fp32; only the matmuls run in the compute dtype.
+    peft skips that upcast for a GPTQ base: its activations stay in the load dtype (an AWQ base is
+    upcast; its GEMM kernel casts each input to fp16 and the output back)."""
+    if setup.quant not in ("none", "gptq") and not deepspeed_16bit(setup):
         return 4
     return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
 
@@ -138,11 +151,16 @@ def adapter_dtype_bytes(setup: Setup) -> int:
     built under ``zero.Init``, whose parameters it leaves as they are: at stage 3 (transformers
     loads the base under ``zero.Init``, peft adds its fp32 adapters after) they stay fp32, unless
     the parameters are offloaded: stage 3 then copies the trainable partitions into 16-bit host
-    buffers (``param_groups_fp16_flat_cpu_memory``), which the adapters become views of."""
+    buffers (``param_groups_fp16_flat_cpu_memory``), which the adapters become views of. A
+    quantized base is never built under ``zero.Init`` (transformers creates it on the meta device
+    and loads it whole on every rank): stage 3 partitions it at ``initialize`` and casts it,
+    adapters included, like stage 1/2."""
+    if setup.fsdp != "none":  # FSDP's MixedPrecision computes the adapters on 16-bit copies
+        return 2 if setup.precision in ("bf16", "bf16-mixed", "fp16-mixed") else 4
     if setup.precision == "fp32" or not setup.zero_stage:
         return 4
-    if setup.zero_stage in (1, 2) or setup.offload_params != "none":
-        return 2
+    if setup.zero_stage in (1, 2) or setup.offload_params != "none" or setup.quant != "none":
+        return 2  # a quantized base is not built under zero.Init: the engine casts it, adapters too
     return 4
 
 
@@ -225,7 +243,9 @@ def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, .
         # autocast: lora_A and lora_B keep c-byte casts of their (fp32) inputs
         c = autocast_bytes(setup)
         return sum(c * l.in_features + c * setup.lora_rank for l in adapted)
-    if a == compute_bytes(setup) and not mask:
+    if a == compute_bytes(setup) and not mask and setup.fsdp == "none":
+        # (under FSDP peft reads the adapter's fp32 sharded parameter, casts the input to fp32, and
+        # autocast casts it back to 16 bits for the gathered weight: each adapter keeps its own copy)
         # the cast is a no-op (fp32 activations of a k-bit-prepared base, or 16-bit adapters under
         # DeepSpeed stage 1/2): lora_A keeps the very input the layer computed
         return _shared_linear_inputs(model, setup, adapted, a) + a * setup.lora_rank * len(adapted)
@@ -366,7 +386,9 @@ def moe_layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
 def moe_lora_weight_bytes(model: ModelSpec, setup: Setup) -> float:
     """Per step, not per token: peft's ParamWrapper folds the LoRA factors into a full copy of
     each MoE layer's expert stack (and router) for the forward, and grouped_mm keeps that copy
-    for backward, with the factors cast to the compute dtype. Summed over the MoE layers."""
+    for backward, with the factors cast to the experts' dtype (``get_delta_factors``: ``.to(param.dtype)``;
+    no copy when the adapters already have it: 16-bit under DeepSpeed stage 1/2, fp32 on a k-bit
+    prepared base, whose experts are upcast). Summed over the MoE layers."""
     if not (setup.adapters and converted_moe(model)):
         return 0.0
     from .lora import expert_lora_params
@@ -375,6 +397,8 @@ def moe_lora_weight_bytes(model: ModelSpec, setup: Setup) -> float:
     E, ei = moe.num_experts, moe.expert_intermediate_size
     router_lora = setup.lora_rank * (h + E)
     factors = expert_lora_params(model, setup) / moe.num_moe_layers - router_lora
+    if adapter_dtype_bytes(setup) == c:
+        factors = 0  # the factors are used as they are
     return moe.num_moe_layers * c * (3 * E * ei * h + E * h + factors)
 
 
@@ -495,7 +519,7 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     if masked_layers(model, setup):
         total += setup.seq  # the (b, 1, s, s) bool sliding-window mask, shared by the layers
     total += norm_bytes(model, setup, trainable_weight=full)
-    if full or (setup.zero_stage == 3 and setup.quant == "none" and setup.loss == "hf"):
+    if full or (setup.zero_stage == 3 and setup.loss == "hf"):
         total += c * h  # lm_head input (ZeRO-3's F.linear keeps a frozen head's too)
     if setup.loss == "hf":
         total += 4 * V  # log_softmax output (fp32)

@@ -35,8 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
+from ..units import bnb_4bit_tensor_bytes
 from .activations import adapter_dtype_bytes
-from .lora import adapted_linears
+from .lora import adapted_linears, converted_moe
 
 
 def zero_config(model: ModelSpec, setup: Setup) -> dict:
@@ -102,15 +103,49 @@ def _elem_bytes(setup: Setup) -> int:
     return 4 if setup.precision == "fp32" else 2
 
 
-def _persistent_params(model: ModelSpec, threshold: int) -> int:
+def _quantized(model: ModelSpec, setup: Setup) -> list:
+    """The Linears a bitsandbytes base stores quantized (every one but the head); none otherwise."""
+    if setup.quant not in ("int8", "nf4", "fp4"):
+        return []
+    return [l for l in model.linears if l.role != "head"]
+
+
+def _stored_numel(l, setup: Setup, pb: int) -> int:
+    """Elements of one Linear weight as ZeRO sees the parameter: a 4-bit weight is packed two
+    values a byte into a tensor of ``bnb_4bit_quant_storage``, which under stage 3 must be the
+    16-bit dtype the engine trains in (docs/deepspeed.md), so pb-byte elements of 2·pb values;
+    int8 one element per value."""
+    if setup.quant in ("nf4", "fp4"):
+        return -(-l.weight_params // (2 * pb))
+    return l.weight_params
+
+
+def _quantized_base(model: ModelSpec, setup: Setup, pb: int) -> tuple[int, int, int]:
+    """(parameters stored quantized, the quantized parameters' numel as ZeRO sees them, the
+    quantization state beside them: 4-bit absmax/codes, LLM.int8's fp32 row scales ``SCB``)."""
+    qs = _quantized(model, setup)
+    params = sum(l.count * l.weight_params for l in qs)
+    stored = sum(l.count * _stored_numel(l, setup, pb) for l in qs)
+    if setup.quant == "int8":
+        state = 4 * sum(l.count * l.out_features for l in qs)
+    else:
+        state = sum(l.count * (bnb_4bit_tensor_bytes(l.weight_params, setup.double_quant) - -(-l.weight_params // 2))
+                    for l in qs)
+    return params, stored, state
+
+
+def _persistent_params(model: ModelSpec, threshold: int, setup: Setup | None = None) -> int:
     """Parameters of at most ``threshold`` elements that stage 3 keeps gathered (norms, small
-    biases, small routers); DeepSpeed tests each parameter's numel (``ds_numel``)."""
+    biases, small routers, small packed 4-bit weights); DeepSpeed tests each parameter's numel
+    (``ds_numel``)."""
     n = sum(p for name, p in model.other_params if name == "norms")
+    quantized = {id(l) for l in _quantized(model, setup)} if setup is not None else set()
     for l in model.linears:
         if l.bias and l.out_features <= threshold:
             n += l.out_features * l.count
-        if l.weight_params <= threshold:
-            n += l.weight_params * l.count
+        numel = _stored_numel(l, setup, _elem_bytes(setup)) if id(l) in quantized else l.weight_params
+        if numel <= threshold:
+            n += numel * l.count
     return n
 
 
@@ -121,8 +156,10 @@ def _largest_trainable(model: ModelSpec, setup: Setup) -> int:
     return max((setup.lora_rank * max(l.in_features, l.out_features) for l in adapted_linears(model, setup)), default=0)
 
 
-def _largest_param(model: ModelSpec) -> int:
-    sizes = [l.weight_params for l in model.linears]
+def _largest_param(model: ModelSpec, setup: Setup | None = None) -> int:
+    quantized = {id(l) for l in _quantized(model, setup)} if setup is not None else set()
+    sizes = [_stored_numel(l, setup, _elem_bytes(setup)) if id(l) in quantized else l.weight_params
+             for l in model.linears]
     sizes += [n for name, n in model.other_params if name == "embed_tokens"]
     return max(sizes)
 
@@ -150,8 +187,13 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
     # the client torch optimizer's foreach transient (one fp32 state-sized list); DeepSpeed's own
     # CPU Adam (used for offloaded AdamW, as the emitter writes) steps in place
     t_step = 4 * part if foreach and not (off_opt and setup.optimizer in ("adamw", "adamw-fused")) else 0
+    # a bitsandbytes base: its Linears stay quantized (not castable), everything else is cast to
+    # pb bytes by the engine (activations.deepspeed_16bit); the quantization state is no
+    # parameter, so every rank keeps all of it
+    q_params, q_stored, q_state = _quantized_base(model, setup, pb)
     if stage in (1, 2):
-        weights = total * pb  # bit16_groups_flat: the whole model, every rank
+        # bit16_groups_flat: the whole model, every rank
+        weights = (total - q_params) * pb + (q_stored * (1 if setup.quant == "int8" else pb)) + q_state
         if setup.adapters:  # the frozen base as loaded, and the adapters (cast to pb) flattened
             weights += pb * trainable
         grad_part = 0 if off_opt else pb * part  # grads_in_partition
@@ -172,8 +214,9 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
         gathered = 0
         static_grad = False
     else:
-        persistent = _persistent_params(model, cfg["stage3_param_persistence_threshold"])
-        weights = pb * (-(-total // n)) + pb * persistent
+        persistent = _persistent_params(model, cfg["stage3_param_persistence_threshold"], setup)
+        stored = total - q_params + q_stored  # packed 4-bit weights as pb-byte elements
+        weights = pb * (-(-stored // n)) + pb * persistent + q_state
         # peft's adapters, added after zero.Init, keep their dtype (adapter_dtype_bytes): the
         # rank's partition of them (lp_param_buffer)
         adapters = adapter_dtype_bytes(setup) * part if setup.adapters else 0
@@ -185,7 +228,7 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
         step = max(pb * sub + 4 * sub, 4 * sub + t_sub)
         # no prefetch and stage3_max_reuse_distance 0 (zero_config): a module's parameters are
         # gathered while it runs and released after
-        gathered = pb * _largest_param(model)
+        gathered = pb * _largest_param(model, setup)
         if setup.checkpointing and n > 1:
             # a recomputed layer keeps all its parameters gathered through its backward
             L = max(model.num_layers, 1)
@@ -203,8 +246,8 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
             # it) fp32 buffers of the largest sub-group (swap_tensor/optimizer_utils.py)
             host_terms.append(("NVMe swap buffers", 4 * 4 * sub))
         if off_par:
-            host_terms.append(("16-bit parameter partition", pb * (-(-total // n)) + adapters))
-            weights = pb * persistent
+            host_terms.append(("16-bit parameter partition", pb * (-(-stored // n)) + adapters))
+            weights = pb * persistent + q_state
     host = sum(b for _, b in host_terms)
     return ZeroMemory(weights=weights, master=master, states=states, grad_partition=grad_part,
                       grad_partition_static=static_grad, buckets=buckets, staging=staging,
@@ -224,6 +267,37 @@ class StepActivations:
     end: int  # what outlives the layers (the embedding's input gradient)
 
 
+def saved_gathered_weights(model: ModelSpec, setup: Setup) -> tuple[int, int]:
+    """(bytes kept at the loss, by one layer) of gathered weights that autograd holds past
+    DeepSpeed's release under ZeRO-3 on 2+ ranks. Releasing a parameter (``param.data = empty``)
+    drops DeepSpeed's reference only; a view of the gathered storage saved for the backward keeps
+    it until that backward (``F.linear`` has ``LinearFunctionForZeroStage3``, which saves the
+    parameter and gathers it again; these paths have nothing alike). On one rank the gathered
+    tensor is the partition itself: nothing extra.
+    - MoE: transformers 5 runs fused 3-D experts through ``_grouped_mm(x, weight.transpose(-2,
+      -1))`` (integrations/moe.py), which saves that transpose: each MoE layer's whole expert stack
+      until its backward (with checkpointing, the recomputed layer's only). Under LoRA with peft's
+      merged expert copies grouped_mm saves the merged copy instead (counted in the activations).
+    - bitsandbytes 4-bit: ``MatMul4Bit`` keeps ``B.view(-1, 1)`` of the packed weight in
+      ``ctx.tensors`` (an attribute, so checkpointing's saved-tensor hooks do not drop it either):
+      every non-persistent packed weight until its Linear's backward."""
+    if setup.zero_stage != 3 or setup.gpus < 2:
+        return 0, 0
+    pb = _elem_bytes(setup)
+    kept = layer = 0
+    if model.moe is not None and not (setup.adapters and converted_moe(model)):
+        experts = pb * sum(n for name, n in model.other_params if name == "experts")
+        kept += 0 if setup.checkpointing else experts
+        layer += experts // max(model.moe.num_moe_layers, 1)
+    if setup.quant in ("nf4", "fp4"):
+        threshold = zero_config(model, setup)["stage3_param_persistence_threshold"]
+        packed = sum(l.count * pb * _stored_numel(l, setup, pb) for l in _quantized(model, setup)
+                     if _stored_numel(l, setup, pb) > threshold)
+        kept += packed
+        layer += packed // max(model.num_layers, 1)
+    return kept, layer
+
+
 def zero_phase_peaks(model: ModelSpec, setup: Setup, zm: ZeroMemory, act: StepActivations) -> dict[str, int]:
     """Per-rank device peak of each phase under ZeRO.
 
@@ -234,6 +308,10 @@ def zero_phase_peaks(model: ModelSpec, setup: Setup, zm: ZeroMemory, act: StepAc
     until the embedding's arrives at the end of the backward, then sums the two out of place."""
     pb = _elem_bytes(setup)
     full = setup.method == "full"
+    kept_experts, layer_experts = saved_gathered_weights(model, setup)
+    act = StepActivations(at_loss=act.at_loss + kept_experts, backward_start=act.backward_start + kept_experts,
+                          top_layer=act.top_layer + kept_experts, bottom_layer=act.bottom_layer + layer_experts,
+                          end=act.end)
     head = model.vocab_size * model.hidden_size * pb if full else 0
     # inside the layers the largest gradient is a layer's largest matrix; the embedding's comes last
     layer = max((l.weight_params for l in model.linears if l.role != "head"), default=0) * pb if full else 0

@@ -14,7 +14,10 @@ torch's and transformers' optimizers, a real CPU run for bitsandbytes'):
 - bitsandbytes 8-bit AdamW (``Optimizer2State``): two uint8 states plus one fp32 absmax per
   256-element block; tensors under ``min_8bit_size`` (4096) elements keep two fp32 states; the
   CUDA kernels update in place. Paged: the uint8 states of tensors of at least 1e5 elements are
-  ``cudaMallocManaged`` memory (``get_state_buffer``), outside torch's allocator;
+  ``cudaMallocManaged`` memory (``get_state_buffer``), outside torch's allocator. The HF Trainer
+  registers every ``nn.Embedding`` weight with ``GlobalOptimManager.register_module_override(...,
+  {"optim_bits": 32})`` when it builds a bitsandbytes 8-bit optimizer (transformers' trainer.py,
+  ``create_optimizer``), so trained embeddings keep two fp32 states (8 B/param, paged when large);
 - bitsandbytes Lion (32-bit, ``Optimizer1State``): one fp32 state whatever the parameter dtype
   (torch has no Lion), updated in place.
 """
@@ -39,6 +42,17 @@ def trainable_tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int]]
     parameters are known by their totals (``ModelSpec.other_params``) and split by name: norms
     into hidden-size vectors, q/k norms into head-size ones, experts into their gate_up and down
     stacks, the router per layer, embeddings whole."""
+    return [(shape, count) for shape, count, _ in _tensors(model, setup)]
+
+
+def _tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int, bool]]:
+    """:func:`trainable_tensors`, each marked True when it is an ``nn.Embedding`` weight."""
+    return [(shape, count, False) for shape, count in _linear_and_other_tensors(model, setup)] + [
+        ((n // model.hidden_size, model.hidden_size), 1, True)
+        for name, n in model.other_params if not setup.adapters and name.startswith("embed")]
+
+
+def _linear_and_other_tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int]]:
     h = model.hidden_size
     if setup.adapters:
         r = setup.lora_rank
@@ -66,7 +80,7 @@ def trainable_tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int]]
         elif name == "router" and moe is not None:
             out.append(((moe.num_experts, h), moe.num_moe_layers))
         elif name.startswith("embed"):
-            out.append(((n // h, h), 1))
+            continue  # _tensors adds them, marked
         else:
             out.append(((n,), 1))
     return out
@@ -82,11 +96,10 @@ def _param_bytes(setup: Setup, weight_bytes: int) -> int:
 
 def state_bytes(model: ModelSpec, setup: Setup, weight_bytes: int) -> int:
     """Optimizer states on the device (paged bitsandbytes states excluded: see paged_bytes)."""
-    tensors = trainable_tensors(model, setup)
     pb = _param_bytes(setup, weight_bytes)
     opt = setup.optimizer
     total = 0
-    for shape, count in tensors:
+    for shape, count, embedding in _tensors(model, setup):
         n = _numel(shape)
         if opt in ("adamw", "adamw-fused"):
             per = 2 * n * pb
@@ -95,7 +108,9 @@ def state_bytes(model: ModelSpec, setup: Setup, weight_bytes: int) -> int:
         elif opt == "lion":
             per = 4 * n
         elif opt in ("adamw-8bit", "paged-adamw-8bit"):
-            if n < BNB_MIN_8BIT_SIZE:
+            if embedding:  # the Trainer's 32-bit override: two fp32 states, paged when large
+                per = 0 if opt == "paged-adamw-8bit" and n >= BNB_PAGED_MIN_NUMEL else 8 * n
+            elif n < BNB_MIN_8BIT_SIZE:
                 per = 8 * n
             else:
                 blocks = -(-n // BNB_BLOCK)
@@ -111,7 +126,8 @@ def paged_bytes(model: ModelSpec, setup: Setup) -> int:
     """bitsandbytes' paged states (managed memory): on the device, invisible to torch's counters."""
     if setup.optimizer != "paged-adamw-8bit":
         return 0
-    return sum(2 * _numel(s) * c for s, c in trainable_tensors(model, setup) if _numel(s) >= BNB_PAGED_MIN_NUMEL)
+    return sum((8 if embedding else 2) * _numel(s) * c
+               for s, c, embedding in _tensors(model, setup) if _numel(s) >= BNB_PAGED_MIN_NUMEL)
 
 
 def step_transient_bytes(model: ModelSpec, setup: Setup, weight_bytes: int) -> int:

@@ -180,8 +180,10 @@ def build_model(config: dict, setup: Setup):
     return model
 
 
-def make_optimizer(setup: Setup, params):
-    """The optimizer of ``setup`` (bitsandbytes for its 8-bit, paged and Lion choices)."""
+def make_optimizer(setup: Setup, params, model=None):
+    """The optimizer of ``setup`` (bitsandbytes for its 8-bit, paged and Lion choices). For an
+    8-bit one, ``model``'s ``nn.Embedding`` weights get 32-bit states, as the HF Trainer registers
+    them (``GlobalOptimManager.register_module_override``, transformers' ``create_optimizer``)."""
     if setup.optimizer not in BNB_OPTIMIZERS:
         from ..tracer import make_optimizer
 
@@ -191,11 +193,18 @@ def make_optimizer(setup: Setup, params):
     import bitsandbytes as bnb
 
     warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
-    if setup.optimizer == "adamw-8bit":
-        return bnb.optim.AdamW8bit(params, lr=1e-5)
-    if setup.optimizer == "paged-adamw-8bit":
-        return bnb.optim.PagedAdamW8bit(params, lr=1e-5)
-    return bnb.optim.Lion(params, lr=1e-5)
+    if setup.optimizer == "lion":
+        return bnb.optim.Lion(params, lr=1e-5)
+    cls = bnb.optim.AdamW8bit if setup.optimizer == "adamw-8bit" else bnb.optim.PagedAdamW8bit
+    opt = cls(params, lr=1e-5)
+    if model is not None:
+        import torch
+
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return opt
 
 
 def quant_state_tensors(model) -> list:
@@ -319,7 +328,7 @@ def run_step(config: dict, setup: Setup, steps: int = 2) -> CpuTruth:
     model = build_model(config, setup)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    opt = make_optimizer(setup, trainable)
+    opt = make_optimizer(setup, trainable, model)
     counter = LiveTensorCounter(device="cpu")
     counter.track(model, quant_state_tensors(model))
     counter.track(list(getattr(opt, "name2qmap", {}).values()))
@@ -357,11 +366,14 @@ def run_step(config: dict, setup: Setup, steps: int = 2) -> CpuTruth:
             opt.zero_grad(set_to_none=True)
             counter.phase(None)
             per_step.append(dict(counter.phase_peaks))
-    # paged states exist from the first optimizer step on; bitsandbytes pages state1 and state2
-    # (uint8 each for 8-bit AdamW) of every large parameter
+    # paged states exist from the first optimizer step on; on CUDA bitsandbytes pages state1 and
+    # state2 (get_state_buffer) of every large parameter, whatever their dtype: uint8 for 8-bit
+    # AdamW, fp32 for the embeddings the Trainer keeps 32-bit. Read off the real states.
     paged = 0
     if setup.optimizer == "paged-adamw-8bit":
-        paged = 2 * sum(p.numel() for p in trainable if p.numel() >= PAGED_MIN_NUMEL)
+        for p in trainable:
+            state = opt.state.get(p, {}) if p.numel() >= PAGED_MIN_NUMEL else {}
+            paged += sum(state[k].numel() * state[k].element_size() for k in ("state1", "state2") if k in state)
     phase_peaks = {}
     for ph in PHASES:
         vals = []

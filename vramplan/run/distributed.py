@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,12 +61,21 @@ TINY_LAYERS = 2
 TINY_SEQ = 64
 
 
+#: MoE shapes (transformers 5's fused 3-D experts): 4 experts, top-2, expert width 64.
+MOE_BASES = ("mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen3-30B-A3B")
+_MOE_SHAPE = {"mistralai/Mixtral-8x7B-v0.1": {"num_local_experts": 4, "num_experts_per_tok": 2},
+              "Qwen/Qwen3-30B-A3B": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}}
+
+
 def tiny_config(base: str = TINY_BASE, layers: int = TINY_LAYERS, shape: dict | None = None) -> dict:
-    """A shipped profile's config.json truncated to ``layers`` layers with hidden sizes shrunk."""
+    """A shipped profile's config.json truncated to ``layers`` layers with hidden sizes shrunk
+    (an MoE base also to 4 experts, top-2)."""
     from ..profiles import load_model
 
     cfg = truncate_config(dict(load_model(base).config), layers)
     cfg.update(TINY_SHAPE if shape is None else shape)
+    if shape is None:
+        cfg.update(_MOE_SHAPE.get(base, {}))
     return cfg
 
 
@@ -167,7 +177,9 @@ def run_zero(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ,
     """Run each setup (all with ``gpus == world``) on ``world`` processes, in one launch.
 
     The ranks are ``python -m vramplan.run.distributed JOB`` subprocesses (no fork of the caller,
-    so this works from pytest, a CLI command or a script alike); each writes its results as JSON."""
+    so this works from pytest, a CLI command or a script alike); each writes its results as JSON.
+    ``detail``: each rank also reports the device tensors live at its peak by dtype, shape, creation
+    site and phase (at the peak of one phase instead with ``VRAMPLAN_DETAIL_PHASE=forward``, say)."""
     for s in setups:
         if s.gpus != world:
             raise SpecError(f"setup has gpus={s.gpus} but the launch has {world} processes")
@@ -191,7 +203,13 @@ def run_zero(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ,
             for p, _ in procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"DeepSpeed workers did not finish within {timeout_s:.0f} s") from None
+            for p, _ in procs:  # each rank's stack into its log (faulthandler, see _worker)
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            tails = "".join(f"--- rank {r}:\n" + (Path(tmp) / f"rank{r}.log").read_text()[-2000:]
+                            for r in range(world))
+            raise RuntimeError(f"DeepSpeed workers did not finish within {timeout_s:.0f} s\n{tails}") from None
         finally:
             for p, log in procs:
                 if p.poll() is None:
@@ -219,11 +237,13 @@ def run_zero(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ,
 
 def _worker(job_path: str) -> None:
     """One rank: run every setup of the job and write ``rank{RANK}.json`` next to it."""
+    import faulthandler
     import logging
     import warnings
 
     import torch
 
+    faulthandler.register(signal.SIGUSR1)  # run_zero asks for the stacks of a rank that hangs
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import deepspeed
@@ -235,7 +255,8 @@ def _worker(job_path: str) -> None:
     rank = int(os.environ["RANK"])
     nvme = Path(job["out"]) / f"nvme{rank}"
     nvme.mkdir(exist_ok=True)
-    out = [_run_one(job["config"], Setup.from_dict(s), job["seq"], job["detail"], str(nvme)) for s in job["setups"]]
+    out = [_run_one(job["config"], Setup.from_dict(s), job["seq"], job["detail"], str(nvme), job["out"])
+           for s in job["setups"]]
     (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
     torch.distributed.destroy_process_group()
 
@@ -295,10 +316,12 @@ def _split_counter_class():
             self.host_peak = max(self.host_peak, host)
             if dev > self.device_peak:
                 self.device_peak, self.device_phase = dev, self._phase or ""
-                if self.detail:
+                if self.detail and not os.environ.get("VRAMPLAN_DETAIL_PHASE"):
                     self.at_peak = {s: n for s, n in self.live.items() if s not in self.host_sids}
             if self._phase is not None and dev > self.device_phase_peaks.get(self._phase, 0):
                 self.device_phase_peaks[self._phase] = dev
+                if self.detail and os.environ.get("VRAMPLAN_DETAIL_PHASE") == self._phase:
+                    self.at_peak = {s: n for s, n in self.live.items() if s not in self.host_sids}
 
         def start_measuring(self) -> None:
             self.measuring = True
@@ -382,7 +405,104 @@ def _client_optimizer(setup: Setup, model):
     return make_optimizer(setup, groups)
 
 
-def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_path: str = "") -> dict:
+def _saved_checkpoint(config: dict, dtype, work: str) -> str:
+    """Random weights of ``config`` saved once per launch under ``work`` by rank 0 (transformers'
+    ``save_pretrained`` writes on rank 0 only once a process group exists), read by every rank."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    from ..tracer import _hf_config
+
+    key = hashlib.sha1((json.dumps(config, sort_keys=True) + str(dtype)).encode()).hexdigest()[:12]
+    path = Path(work) / f"ckpt-{key}"
+    if int(os.environ.get("RANK", "0")) == 0 and not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(_hf_config(config, None), dtype=dtype).save_pretrained(path)
+    torch.distributed.barrier()
+    return str(path)
+
+
+def _init_left_empty(model, std: float) -> None:
+    """Random values for the parameters transformers 5 leaves uninitialized under ``zero.Init``:
+    an MoE block's router and fused 3-D experts (``torch.empty``: NaN, 1e30 or zeros), which make
+    the loss NaN, so DeepSpeed skips the optimizer step (gradient overflow) and never allocates the
+    optimizer states. A real run loads a checkpoint instead. Gathered on every rank, written on rank 0."""
+    import deepspeed
+    import torch
+
+    for p in model.parameters():
+        if p.ds_numel <= 0 or len(p.ds_shape) < 2:
+            continue
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+            bad = not bool(torch.isfinite(p).all()) or float(p.float().abs().max()) > 1e3 or not bool(p.any())
+            if bad:
+                p.normal_(0.0, std)
+
+
+def _build_model(config: dict, setup: Setup, cfg: dict, work: str):
+    """The model of ``setup`` as the emitted train.py builds it (vramplan/emit/templates/train.py.tmpl):
+    weights loaded in bf16/fp16, fp32 for the ``-mixed`` precisions and fp32 (DeepSpeed's bf16/fp16
+    engine then casts them itself; no autocast under DeepSpeed); under stage 3 created inside
+    ``deepspeed.zero.Init``, as transformers does when ZeRO-3 is enabled, which partitions each
+    parameter at construction and swaps F.linear for DeepSpeed's version. A quantized base is the
+    random checkpoint reloaded through bitsandbytes (4-bit weights packed in the 16-bit dtype
+    DeepSpeed trains in under stage 3, ``bnb_4bit_quant_storage``, so that ZeRO-3 can partition
+    them; uint8 otherwise) and prepared with ``prepare_model_for_kbit_training``; transformers builds
+    a quantized model on the meta device, never under ``zero.Init``, and DeepSpeed partitions it at
+    ``initialize``."""
+    import deepspeed
+    import torch
+    import transformers
+
+    from ..tracer import _hf_config
+
+    load = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision, torch.float32)
+    stage3 = setup.zero_stage == 3
+    if setup.quant == "none":
+        hf_cfg = _hf_config(config, None)
+        hf_cfg.use_cache = False
+        if not stage3:
+            return transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=load, attn_implementation="sdpa")
+        # import the modeling module first: zero.Init patches every nn.Module subclass's __init__
+        # and restores on exit what it saw, dropping a class decorator applied while inside
+        # (transformers 5's fused-experts wrapper, which sets ``self.config``)
+        transformers.AutoModelForCausalLM._model_mapping[type(hf_cfg)]
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=load, attn_implementation="sdpa")
+        _init_left_empty(model, float(config.get("initializer_range", 0.02)))
+        return model
+    import peft
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        unset_hf_deepspeed_config,
+    )
+
+    path = _saved_checkpoint(config, load, work)  # saved before ZeRO-3 is switched on (it would be saved empty)
+    compute = torch.float16 if setup.precision.startswith("fp16") else torch.bfloat16
+    # ZeRO-3 partitions the packed 4-bit weights as tensors of the dtype it trains in: the engine
+    # casts every floating parameter to 16 bits, so a packed fp32 storage (a -mixed load) would
+    # be cast element-wise and broken; stage 1/2 leave frozen weights whole (uint8, bitsandbytes' default)
+    storage = (torch.float32 if setup.precision == "fp32" else compute) if stage3 else torch.uint8
+    if setup.quant == "int8":
+        qcfg = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        qcfg = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=setup.quant, bnb_4bit_use_double_quant=setup.double_quant,
+            bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage)
+    hf_ds = HfDeepSpeedConfig(cfg) if stage3 else None  # noqa: F841 (transformers holds a weak reference)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=qcfg, dtype=load, attn_implementation="sdpa", use_cache=False,
+            **({} if stage3 else {"device_map": "cpu"}))
+    finally:
+        unset_hf_deepspeed_config()
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_path: str = "", work: str = "") -> dict:
     import gc
 
     import deepspeed
@@ -390,30 +510,20 @@ def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_pa
     import transformers
 
     from ..architecture import model_spec_from_config
-    from ..tracer import _hf_config
+    from .cpu_truth import _int8_as_on_cuda, quant_state_tensors
 
     spec = model_spec_from_config(config, name="tiny")
-    hf_cfg = _hf_config(config, None)
-    hf_cfg.use_cache = False
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = ds_config(spec, setup, nvme_path=nvme_path)
     if setup.zero_stage == 3:
-        # as transformers builds a model when ZeRO-3 is enabled: inside zero.Init, which partitions
-        # each parameter at construction and swaps F.linear for DeepSpeed's version that saves the
-        # parameter (not its gathered data) for the backward
         # imported inside zero.Init, these trip over its tensor-creation patches
         import torch._dynamo
         import transformers.generation.utils
         from deepspeed.runtime.zero.partition_parameters import (
             InsertPostInitMethodToModuleSubClasses as _Init,
         )
-
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16,
-                                                                  attn_implementation="sdpa")
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = _build_model(config, setup, cfg, work)
     if setup.adapters:
         import peft
 
@@ -430,8 +540,9 @@ def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_pa
     host_step = setup.offload_optimizer != "none"
 
     counter = _split_counter_class()(detail)
-    counter.track(model, [getattr(p, "ds_tensor", None) for p in model.parameters()])
+    counter.track(model, [getattr(p, "ds_tensor", None) for p in model.parameters()], quant_state_tensors(model))
     ids = torch.randint(0, spec.vocab_size, (setup.batch, seq), generator=torch.Generator().manual_seed(1))
+    undo_int8 = _int8_as_on_cuda() if setup.quant == "int8" else (lambda: None)  # LLM.int8 as on CUDA
     with counter:
         counter.phase("init")
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
@@ -460,6 +571,7 @@ def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_pa
                 counter.phase("optimizer")
                 engine.step()
         counter.phase(None)
+    undo_int8()
     peak = {"rank": int(os.environ["RANK"]), "device_bytes": counter.device_peak, "phase": counter.device_phase,
             "phase_peaks": dict(counter.device_phase_peaks), "host_bytes": counter.host_peak, "init_bytes": init_bytes}
     out = {"peak": peak, "zero_optimizer": type(engine.optimizer).__name__,
@@ -505,11 +617,40 @@ LORA_MATRIX = (
     {"zero_stage": 3, "method": "lora", "checkpointing": True},
 )
 
+#: Quantized bases under ZeRO (bitsandbytes; transformers builds them outside zero.Init, so the
+#: engine casts everything but the packed weights to 16 bits, adapters included, at every stage).
+QUANT_MATRIX = (
+    {"zero_stage": 2, "method": "qlora"}, {"zero_stage": 3, "method": "qlora"},
+    {"zero_stage": 3, "method": "qlora", "offload_optimizer": "cpu", "offload_params": "cpu"},
+    {"zero_stage": 3, "method": "qlora", "checkpointing": True},
+    {"zero_stage": 2, "method": "lora", "quant": "int8"},
+)
+
+#: bf16-mixed under ZeRO: fp32 weights loaded, cast to bf16 by DeepSpeed's engine, no autocast.
+MIXED_MATRIX = (
+    {"zero_stage": 1, "precision": "bf16-mixed"}, {"zero_stage": 2, "precision": "bf16-mixed"},
+    {"zero_stage": 3, "precision": "bf16-mixed"},
+    {"zero_stage": 1, "method": "lora", "precision": "bf16-mixed"},
+    {"zero_stage": 2, "method": "lora", "precision": "bf16-mixed"},
+    {"zero_stage": 3, "method": "lora", "precision": "bf16-mixed"},
+    {"zero_stage": 3, "method": "qlora", "precision": "bf16-mixed"},
+)
+
+#: MoE (MOE_BASES, fused 3-D experts) under ZeRO 2 and 3.
+MOE_MATRIX = (
+    {"zero_stage": 2}, {"zero_stage": 3}, {"zero_stage": 3, "checkpointing": True},
+    {"zero_stage": 2, "method": "lora"}, {"zero_stage": 3, "method": "lora"},
+)
+
 #: Knobs of the ZeRO matrix that are not verified here, and why.
 UNVERIFIED = (
     ({"zero_stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"},
      ("parameter NVMe offload: the emitted config pins 5 swap buffers of 1e8 elements per rank "
       "(2 GB of host RAM for two ranks); not run on this shared 23 GB machine")),
+    ({"zero_stage": 2, "precision": "fp16-mixed"},
+     ("fp16 (and its dynamic loss scaling): DeepSpeed's CPU accelerator refuses fp16 on this CPU "
+      "('Type fp16 is not supported on your device': torch.ops.mkldnn._is_mkldnn_fp16_supported() "
+      "is False); the estimate counts fp16 as bf16 (same bytes; the loss scaler keeps scalars)")),
 )
 
 
@@ -533,22 +674,31 @@ def compare_setups(setups: list[Setup], world: int, base: str = TINY_BASE) -> li
     return out
 
 
+def zero_launches(quick: bool) -> list[tuple[str, int, tuple]]:
+    """(base, world size, setups) of each launch of the validate matrix. ``quick``: world sizes 1
+    and 2 on stages 1-3, one offload case, LoRA, QLoRA and bf16-mixed on the tiny Llama, and one MoE
+    launch; the full matrix adds every offload case, the mixed and quantized matrices, 4 ranks,
+    two other dense shapes and both MoE bases on 1 and 2 ranks."""
+    worlds = (1, 2) if quick else (1, 2, 4)
+    if quick:
+        matrix = ZERO_MATRIX[:4] + LORA_MATRIX[1:3] + QUANT_MATRIX[:2] + MIXED_MATRIX[1:2]
+        launches = [(TINY_BASE, w, matrix) for w in worlds]
+        return launches + [(MOE_BASES[1], 2, (MOE_MATRIX[1], MOE_MATRIX[3]))]
+    matrices = (ZERO_MATRIX + (NVME_MATRIX if nvme_available() else ()), LORA_MATRIX, QUANT_MATRIX, MIXED_MATRIX)
+    launches = [(TINY_BASE, w, m) for m in matrices for w in worlds]  # a launch each: each has its time limit
+    launches += [(base, 2, ZERO_MATRIX) for base in OTHER_BASES]
+    return launches + [(base, w, MOE_MATRIX) for base in MOE_BASES for w in (1, 2)]
+
+
 def zero_rows(quick: bool) -> list:
     """Rows for ``vramplan validate``: one per (setup, world size), the worst rank's device peak as
-    the truth (``truth="deepspeed-N"``, ``knob="zero"``), plus unverifiable cases with their reason.
-    ``quick`` runs world sizes 1 and 2 on stages 1-3 and one offload case; the full matrix adds
-    every offload case and 4 ranks."""
+    the truth (``truth="deepspeed-N"``, ``knob="zero"``), plus unverifiable cases with their reason
+    (see :func:`zero_launches` for the matrix)."""
     from ..accuracy import Row
 
     model = tiny_model()
-    worlds = (1, 2) if quick else (1, 2, 4)
-    matrix = ZERO_MATRIX[:4] + LORA_MATRIX[1:3] if quick else (
-        ZERO_MATRIX + LORA_MATRIX + (NVME_MATRIX if nvme_available() else ()))
-    launches = [(TINY_BASE, w, matrix) for w in worlds]
-    if not quick:
-        launches += [(base, 2, ZERO_MATRIX) for base in OTHER_BASES]
     rows = []
-    for base, world, kws in launches:
+    for base, world, kws in zero_launches(quick):
         family = tiny_model(base=base).family
         setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in kws]
         for run, est in compare_setups(setups, world, base):

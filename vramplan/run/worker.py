@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,24 +83,55 @@ class CappedCounter(LiveTensorCounter):
 # device memory (CUDA)
 
 
+def nvml_device_ref(index: int, environ: Mapping[str, str] | None = None) -> tuple[str, int | str]:
+    """How NVML names CUDA device ``index`` of this process: ``("index", n)`` or ``("uuid", "GPU-...")``.
+
+    CUDA numbers only the devices ``CUDA_VISIBLE_DEVICES`` lists, in that order; NVML sees every
+    device of the machine. (CUDA's default order is fastest first; NVML's, PCI bus order: the
+    same for the identical GPUs of one machine.)"""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return ("index", index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        raise ValueError(f"CUDA device {index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    entry = entries[index]
+    if entry.isdigit():
+        return ("index", int(entry))
+    return ("uuid", entry if entry.startswith(("GPU-", "MIG-")) else f"GPU-{entry}")
+
+
 class DeviceMemory:
     """Device memory this process uses, as nvidia-smi shows it (NVML), or device-wide used bytes
-    from ``cudaMemGetInfo`` when nvidia-ml-py is not installed."""
+    from ``cudaMemGetInfo`` when nvidia-ml-py is not installed or NVML does not answer.
 
-    def __init__(self, index: int) -> None:
+    ``nvml``: the pynvml module to use (default: import it; None: do without)."""
+
+    _IMPORT = object()
+
+    def __init__(self, index: int, nvml: Any = _IMPORT, environ: Mapping[str, str] | None = None) -> None:
         self.index = index
         self.baseline_bytes = 0  # used by others before this process initialised CUDA (NVML only)
         self.source = "cudaMemGetInfo"
+        self.error: str | None = None
         self._nvml = None
+        self._handle = None
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            if nvml is DeviceMemory._IMPORT:
+                import pynvml as nvml
+            if nvml is None:
+                raise ImportError("nvidia-ml-py not used")
+            nvml.nvmlInit()
+            kind, ref = nvml_device_ref(index, environ)
+            self._handle = (nvml.nvmlDeviceGetHandleByIndex(ref) if kind == "index"
+                            else nvml.nvmlDeviceGetHandleByUUID(ref))
+            nvml.nvmlDeviceGetMemoryInfo(self._handle)  # answers, or we fall back now
+            self._nvml = nvml
             self.source = "nvml"
-        except Exception:  # noqa: BLE001 - no NVML library or no permission: fall back
+        except Exception as exc:  # noqa: BLE001 - no nvidia-ml-py, no NVML library, no permission
             self._nvml = None
+            self.error = f"{type(exc).__name__}: {exc}"[:200]
 
     def used_bytes(self) -> int | None:
         """Bytes used on the device (NVML) or None before CUDA is initialised without NVML."""
@@ -112,13 +144,57 @@ class DeviceMemory:
         free, total = torch.cuda.mem_get_info(self.index)
         return int(total - free)
 
+    def settled_used_bytes(self, tries: int = 20, interval_s: float = 0.05) -> int | None:
+        """:meth:`used_bytes` once two reads in a row agree (a process that just ended may
+        still be giving its memory back), at most ``tries`` reads."""
+        last = self.used_bytes()
+        for _ in range(tries):
+            time.sleep(interval_s)
+            now = self.used_bytes()
+            if now == last:
+                break
+            last = now
+        return last
+
+    def process_bytes(self, pid: int | None = None) -> int | None:
+        """What nvidia-smi lists for process ``pid`` (default: this one) on the device; None
+        without NVML, when the process is not listed (another PID namespace) or the driver
+        does not say."""
+        if self._nvml is None:
+            return None
+        pid = os.getpid() if pid is None else pid
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception:  # noqa: BLE001 - not supported here
+            return None
+        for proc in procs:
+            if getattr(proc, "pid", None) == pid:
+                used = getattr(proc, "usedGpuMemory", None)
+                return int(used) if isinstance(used, int) and used >= 0 else None
+        return None
+
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"memory_source": self.source}
         if self._nvml is not None:
             nv = self._nvml
-            out["driver"] = _text(nv.nvmlSystemGetDriverVersion())
-            out["nvml_name"] = _text(nv.nvmlDeviceGetName(self._handle))
+            with contextlib.suppress(Exception):
+                out["driver"] = _text(nv.nvmlSystemGetDriverVersion())
+            with contextlib.suppress(Exception):
+                out["nvml_name"] = _text(nv.nvmlDeviceGetName(self._handle))
+        elif self.error:
+            out["nvml_error"] = self.error
         return out
+
+
+def emulation_fraction(emulate_bytes: int, context_bytes: int, total_bytes: int) -> float:
+    """The ``set_per_process_memory_fraction`` that caps the caching allocator so that allocator +
+    CUDA context fit a card of ``emulate_bytes`` on a GPU of ``total_bytes``."""
+    allocator_bytes = int(emulate_bytes) - int(context_bytes)
+    fraction = allocator_bytes / total_bytes
+    if not 0 < fraction <= 1:
+        raise ValueError(f"cannot emulate {emulate_bytes} bytes on a {total_bytes}-byte GPU "
+                         f"with a {context_bytes}-byte CUDA context")
+    return fraction
 
 
 def _text(value: Any) -> str:
@@ -158,6 +234,7 @@ class Measure:
         self.phase: str | None = "setup"
         self.phase_peaks: dict[str, dict[str, int]] = {}
         self.device_samples: list[int] = []
+        self.process_samples: list[int] = []
         self.device_memory: DeviceMemory | None = None
         self.step_times: list[tuple[float, bool]] = []  # (seconds, counted)
         self.step = 0
@@ -184,9 +261,15 @@ class Measure:
         for k, v in peaks.items():
             into[k] = max(into.get(k, 0), v)
         if self.device_memory is not None:
-            used = self.device_memory.used_bytes()
+            try:  # a reading NVML cannot give costs a sample, not the run
+                used = self.device_memory.used_bytes()
+            except Exception:  # noqa: BLE001
+                used = None
             if used is not None:
-                self.device_samples.append(used - self.device_memory.baseline_bytes)
+                self.device_samples.append(max(0, used - self.device_memory.baseline_bytes))
+            mine = self.device_memory.process_bytes()
+            if mine is not None:
+                self.process_samples.append(mine)
         torch.cuda.reset_peak_memory_stats()
 
     def _status(self) -> None:
@@ -277,6 +360,8 @@ class Measure:
             out["phase_peaks"] = self.phase_peaks
             if self.device_samples:
                 out["device_used_bytes"] = max(self.device_samples)
+            if self.process_samples:
+                out["device_process_bytes"] = max(self.process_samples)
         return out
 
 
@@ -366,7 +451,9 @@ def _cuda_setup(request: dict, measure: Measure) -> dict[str, Any]:
         raise RuntimeError(f"torch {torch.__version__} sees no CUDA device; measure on the CPU with --device cpu")
     index = int(os.environ.get("LOCAL_RANK", "0"))
     device_memory = DeviceMemory(index)
-    before = device_memory.used_bytes() if device_memory.source == "nvml" else 0
+    # NVML: what the device used before this process's context (the last run's process may
+    # still be handing its memory back: wait until the reading settles)
+    before = device_memory.settled_used_bytes() if device_memory.source == "nvml" else 0
     device_memory.baseline_bytes = before or 0
     torch.cuda.set_device(index)
     torch.cuda.init()
@@ -381,10 +468,7 @@ def _cuda_setup(request: dict, measure: Measure) -> dict[str, Any]:
         info["cuda_context_note"] = "device-wide used after init (assumes no other process on the GPU)"
     emulate = request.get("emulate_bytes")
     if emulate:
-        allocator_bytes = int(emulate) - info["cuda_context_bytes"]
-        fraction = allocator_bytes / props.total_memory
-        if not 0 < fraction <= 1:
-            raise ValueError(f"cannot emulate {emulate} bytes on a {props.total_memory}-byte GPU")
+        fraction = emulation_fraction(int(emulate), info["cuda_context_bytes"], int(props.total_memory))
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         info.update(emulated_bytes=int(emulate), memory_fraction=fraction)
     torch.cuda.reset_peak_memory_stats()
@@ -551,7 +635,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     requests = [json.loads(Path(a).read_text()) for a in argv]
     if len(requests) == 1:
-        return _run_and_write(requests[0])
+        code = _run_and_write(requests[0])
+        # The result is written (fsynced): skip the interpreter's teardown, where a process group
+        # nobody destroyed (NCCL's watchdog) or freeing a large CUDA heap can hold the exit for
+        # many seconds, which the parent would wait for, or time out on.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if any(r.get("device") != "cpu" for r in requests):
         print("error: several requests in one worker fork it; CUDA cannot be forked", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ PLAN = {
     'lora_targets': 'q_proj,v_proj',
     'quant': 'nf4',
     'double_quant': True,
+    'quant_storage': 'uint8',
     'precision': 'bf16',
     'optim': 'paged_adamw_8bit',
     'lr': 0.0002,

@@ -10,10 +10,12 @@
 
 The model is built from config.json (next to this file) with random weights: nothing is
 downloaded, so the memory of the plan can be checked before any real run. ``--model ID_OR_PATH``
-loads real weights instead. The dataset is random tokens unless ``--dataset`` names a local
-.jsonl/.json file (rows with "input_ids" or a text field), a .txt file (one example per line) or a
-Hugging Face dataset id (needs the ``datasets`` package). Every sequence is ``--seq`` tokens long,
-so each step has the shape the plan was estimated for.
+loads real weights instead; a GPTQ/AWQ plan needs it (a pre-quantized checkpoint: random weights
+cannot be GPTQ/AWQ-quantized without calibration data and gptqmodel's quantizer). The dataset is
+random tokens unless ``--dataset`` names a local .jsonl/.json file (rows with "input_ids" or a
+text field), a .txt file (one example per line) or a Hugging Face dataset id (needs the
+``datasets`` package). Every sequence is ``--seq`` tokens long, so each step has the shape the
+plan was estimated for.
 
 Other code can import this file and reuse its pieces: ``parse_args(argv)``,
 ``build_trainer(args, callbacks)`` (adds your TrainerCallbacks) and ``main(argv)``.
@@ -102,24 +104,40 @@ def _device(args: argparse.Namespace) -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
+#: bases that only come pre-quantized (their checkpoint's config.json carries the quantization)
+PREQUANTIZED = ("gptq", "awq")
+
+
 def _quantization_config() -> BitsAndBytesConfig | None:
     if PLAN["quant"] == "none":
         return None
+    if PLAN["quant"] == "gptq":  # merged into the checkpoint's own config: gptqmodel's trainable kernel
+        from transformers import GPTQConfig
+
+        return GPTQConfig(bits=PLAN["quant_bits"], group_size=PLAN["quant_group_size"], backend="auto_trainable")
+    if PLAN["quant"] == "awq":  # the GEMM kernel (AwqGEMMLinear) vramplan estimated
+        from transformers import AwqConfig
+
+        return AwqConfig(bits=PLAN["quant_bits"], group_size=PLAN["quant_group_size"], backend="gemm")
     if PLAN["quant"] == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=PLAN["quant"],
                               bnb_4bit_use_double_quant=PLAN["double_quant"],
                               bnb_4bit_compute_dtype=COMPUTE_DTYPE,
-                              # ZeRO-3/FSDP shard the packed 4-bit weights as tensors of this dtype
-                              bnb_4bit_quant_storage=LOAD_DTYPE if PLAN["sharded"] else torch.uint8)
+                              # uint8, or what ZeRO-3/FSDP shard the packed 4-bit weights as: the
+                              # dtype the other parameters have there (16-bit under DeepSpeed)
+                              bnb_4bit_quant_storage=getattr(torch, PLAN["quant_storage"]))
 
 
 def random_checkpoint(args: argparse.Namespace, directory: str) -> str:
     """Random weights from config.json saved as a checkpoint in ``directory`` (no download):
     bitsandbytes quantizes weights while from_pretrained loads them, so a quantized base is
     loaded from here (this needs the unquantized model's size in host RAM and temporary disk
-    once). Call it before the TrainingArguments: under ZeRO-3, a model created after them is
-    already partitioned and would be saved empty."""
+    once per process). Call it before any process group and the TrainingArguments exist: once a
+    group does, transformers saves on rank 0 only (the other ranks would load an empty
+    directory), and under ZeRO-3 a model created after the TrainingArguments is already
+    partitioned and would be saved empty. Seeded: every rank writes the same weights."""
+    torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), dtype=LOAD_DTYPE)
     model.save_pretrained(directory)
     return directory
@@ -132,6 +150,7 @@ def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torc
     ZeRO-3 create the TrainingArguments first (build_trainer does): transformers then partitions
     the weights as they are created.
     """
+    _require_prequantized(args)
     kwargs: dict = {"dtype": LOAD_DTYPE}
     if PLAN["attn"] != "auto":
         kwargs["attn_implementation"] = {"flash": "flash_attention_2"}.get(PLAN["attn"], PLAN["attn"])
@@ -281,12 +300,20 @@ class MemoryReport(TrainerCallback):
         os.replace(tmp, path)  # atomic: a reader never sees half a report
 
 
+def _require_prequantized(args: argparse.Namespace) -> None:
+    if PLAN["quant"] in PREQUANTIZED and not args.model:
+        raise SystemExit(f"error: this plan trains LoRA on a {PLAN['quant'].upper()} base: pass --model with a "
+                         f"pre-quantized {PLAN['quant_bits']}-bit {PLAN['quant'].upper()} checkpoint (Hub id or "
+                         "directory); random weights cannot be quantized here")
+
+
 def build_trainer(args: argparse.Namespace, callbacks=()) -> Trainer:
     """TrainingArguments, then the model (ZeRO-3 needs that order), the data and the Trainer."""
-    if args.deepspeed:
-        _init_deepspeed()
+    _require_prequantized(args)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = random_checkpoint(args, tmp) if PLAN["quant"] != "none" and not args.model else None
+        if args.deepspeed:
+            _init_deepspeed()
         training_args = _training_arguments(args)
         model = build_model(args, checkpoint)
     dataset = build_dataset(args, model.config.vocab_size, training_args.world_size)
