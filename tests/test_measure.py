@@ -9,6 +9,7 @@ random weights, 128 tokens.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -61,6 +62,7 @@ def runs(tmp_path_factory):
     worker; the `measure` command (JSON, record) and a one-run `sweep` whose run times out, in
     parallel."""
     tmp = tmp_path_factory.mktemp("measure")
+    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     plans = {name: _plan(tmp, name) for name in SETUPS}
     full_peak = plans["full"][0].breakdown.tensor_peak_bytes
     capped = m.MeasureOptions(device="cpu", steps=3, cpu_memory_cap_bytes=int(full_peak * 0.8))
@@ -101,6 +103,7 @@ def runs(tmp_path_factory):
         out["cli"] = futures["cli"].result()
         out["sweep"] = futures["sweep"].result()
     out.update(records=records, matrix=matrix, sweep_records=sweep_records)
+    out["shm_leaked"] = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - shm_before
     return out
 
 
@@ -140,6 +143,27 @@ def test_tensor_peak_estimate_within_5_percent(runs, name):
     paged = sum(c["bytes"] for c in meas.estimate["components"] if c["name"] == "paged_optimizer_states")
     assert est == meas.estimate["tensor_peak_bytes"] + paged and (paged > 0) == (name == "paged-adamw-8bit")
     assert abs(est / got - 1) <= 0.05, f"estimate {est} vs measured {got} ({est / got - 1:+.1%})"
+
+
+def test_deepspeed_runs_leave_no_shared_memory_behind(runs):
+    """DeepSpeed's CPU ranks each create a ~64 MiB all-reduce buffer in /dev/shm (RAM) and never
+    unlink it; the launchers release the ones of their port after the ranks exit."""
+    assert any(s.zero_stage for s in SETUPS.values())
+    assert not runs["shm_leaked"]
+
+
+def test_release_deepspeed_shm_removes_only_its_launch(tmp_path):
+    from vramplan.run import release_deepspeed_shm
+
+    mine = [Path(f"/dev/shm/deepspeed_allreduce_buffer_0_127.0.0.1_1_{r}") for r in range(2)]
+    other = Path("/dev/shm/deepspeed_allreduce_buffer_0_127.0.0.1_11_0")
+    for p in (*mine, other):
+        p.write_bytes(b"x")
+    try:
+        assert release_deepspeed_shm(1) == 2 and not any(p.exists() for p in mine) and other.exists()
+    finally:
+        for p in (*mine, other):
+            p.unlink(missing_ok=True)
 
 
 def test_cpu_offload_run_is_recorded_but_not_compared(runs):

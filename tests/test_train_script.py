@@ -27,6 +27,7 @@ import pytest
 
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.emit import emit_to_dir
+from vramplan.run import release_deepspeed_shm
 from vramplan.specs import Plan
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -91,7 +92,11 @@ def run_emitted(folder: Path, which: int = 0) -> dict:
     elif cmd[0] == "deepspeed" and not _port_free(29500):
         cmd[1:1] = ["--master_port", str(_free_port())]  # another process holds the launcher's default port
     cmd += ["--cpu", "--max-steps", "2", "--memory-report", "memory.json"]
-    out = subprocess.run(cmd, check=False, cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
+    port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else 29500  # both launchers' default
+    try:
+        out = subprocess.run(cmd, check=False, cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        release_deepspeed_shm(port)  # DeepSpeed's CPU ranks leave ~64 MiB of /dev/shm each
     assert out.returncode == 0, f"{shlex.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     single = folder / "memory.json"  # several ranks: one report per rank, memory.rankN.json
     return json.loads((single if single.exists() else folder / "memory.rank0.json").read_text())

@@ -80,6 +80,24 @@ def test_distributed_knobs_without_rows_are_listed(monkeypatch):
     assert {r.knob for r in rows} == {"zero", "fsdp"} and all(not r.verified and r.why for r in rows)
 
 
+def test_a_distributed_launch_that_fails_becomes_unverified_rows(monkeypatch):
+    """One crashed or timed-out N-process launch (here: every one) turns its setups into
+    unverified rows naming the failure, instead of a traceback that loses the whole table."""
+    from vramplan.run import distributed, fsdp
+
+    def fail(setups, world, base=None):
+        raise RuntimeError("DeepSpeed workers did not finish within 600 s\n--- rank 0: ...")
+
+    monkeypatch.setattr(distributed, "compare_setups", fail)
+    monkeypatch.setattr(fsdp, "compare_setups", fail)
+    rows = distributed.zero_rows(True) + fsdp.fsdp_rows(True)
+    failed = [r for r in rows if r.why.startswith("the ")]
+    assert {r.knob for r in failed} == {"zero", "fsdp", "ddp"}
+    assert all(not r.verified and "did not finish within 600 s" in r.why and "\n" not in r.why for r in failed)
+    assert len(failed) == sum(len(kws) for _, _, kws in distributed.zero_launches(True)) + sum(
+        len(kws) for _, _, kws in fsdp.launches(True))
+
+
 def test_unknown_knob_is_a_one_line_error():
     result = CliRunner().invoke(main, ["validate", "--knob", "flux"])
     assert result.exit_code == 2

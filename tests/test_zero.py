@@ -3,8 +3,8 @@
 The truth (vramplan/run/distributed.py) launches N CPU processes (DeepSpeed's CPU accelerator,
 gloo) on a tiny Llama with random weights, runs the canonical step twice and counts each rank's
 live tensors, the offloaded (host) ones apart. One launch per world size runs every setup, so the
-whole module costs three launches (two on the tiny Llama, one on a tiny Qwen3-MoE; about 50 s on
-2 cores). The 4-rank matrix is in benchmarks/zero_accuracy.py.
+whole module costs four launches (two on the tiny Llama, one on a tiny Qwen3-MoE, one on a tiny
+Mixtral; about 60 s on 2 cores). The 4-rank matrix is in benchmarks/zero_accuracy.py.
 """
 
 from __future__ import annotations
@@ -49,13 +49,18 @@ if nvme_available():  # DeepSpeed's async_io op needs libaio-dev
 #: until its backward; LoRA through peft's merged expert copies
 MOE = MOE_BASES[1]
 N2_MOE = [{"zero_stage": 3}, {"zero_stage": 2, "method": "lora"}]
-CASES = [(TINY_BASE, 1, kw) for kw in N1] + [(TINY_BASE, 2, kw) for kw in N2] + [(MOE, 2, kw) for kw in N2_MOE]
+#: Mixtral scaled down (experts twice as wide): LoRA at stage 3 peaks at the fetch of the top MoE
+#: block, a DeepSpeed leaf module gathered twice over (moe_leaf_fetch; -11.5% before it was modeled)
+WIDE_MOE = MOE_BASES[0]
+N2_WIDE_MOE = [{"zero_stage": 3, "method": "lora"}]
+CASES = ([(TINY_BASE, 1, kw) for kw in N1] + [(TINY_BASE, 2, kw) for kw in N2] + [(MOE, 2, kw) for kw in N2_MOE]
+         + [(WIDE_MOE, 2, kw) for kw in N2_WIDE_MOE])
 
 
 @pytest.fixture(scope="module")
 def measured():
     out = {}
-    for base, world, matrix in ((TINY_BASE, 1, N1), (TINY_BASE, 2, N2), (MOE, 2, N2_MOE)):
+    for base, world, matrix in ((TINY_BASE, 1, N1), (TINY_BASE, 2, N2), (MOE, 2, N2_MOE), (WIDE_MOE, 2, N2_WIDE_MOE)):
         setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in matrix]
         for run, est in compare_setups(setups, world, base):
             out[(base, world, tuple(sorted(run.setup.to_dict().items())))] = (run, est)
@@ -181,6 +186,28 @@ def test_stage3_keeps_gathered_experts_and_packed_weights_saved_for_backward():
     kept, layer = saved_gathered_weights(llama, Setup(zero_stage=3, gpus=8, method="qlora", checkpointing=True))
     quantized = sum(l.count * l.weight_params for l in llama.linears if l.role != "head")
     assert kept == pytest.approx(quantized / 2, rel=0.01) and layer * llama.num_layers == pytest.approx(kept, rel=0.01)
+
+
+def test_stage3_fetches_a_leaf_moe_block_whole_and_holds_it_twice():
+    """DeepSpeed 0.19 makes Mixtral's and Qwen2/3-MoE's sparse MoE blocks ZeRO-3 leaf modules: one
+    coalesced gather per dtype of everything non-persistent under the block. The tiny Mixtral's
+    buffers, as the real 2-rank run allocates them: bf16[98304] (the fused experts; the 4 x 64
+    router is persistent) and under LoRA fp32[54272] (every ParamWrapper factor but the router's
+    4 x 16 B). Nothing on one rank, at stage 2, or for an MoE family DeepSpeed does not list."""
+    from vramplan.estimator.distributed import moe_leaf_fetch
+    from vramplan.run.distributed import tiny_config
+
+    mixtral = tiny_model(tiny_config(WIDE_MOE), WIDE_MOE)
+    assert moe_leaf_fetch(mixtral, Setup(zero_stage=3, gpus=2)) == 2 * 98304
+    assert moe_leaf_fetch(mixtral, Setup(zero_stage=3, gpus=2, method="lora")) == 2 * 98304 + 4 * 54272
+    assert moe_leaf_fetch(mixtral, Setup(zero_stage=3, gpus=1, method="lora")) == 0
+    assert moe_leaf_fetch(mixtral, Setup(zero_stage=2, gpus=2, method="lora")) == 0
+    ds = load_model("deepseek-ai/DeepSeek-V2-Lite")
+    assert ds.moe is not None and moe_leaf_fetch(ds, Setup(zero_stage=3, gpus=8)) == 0
+    # Qwen3-30B-A3B: 128 experts, so the router (128 h > 10 h) is fetched with them
+    qwen = load_model("Qwen/Qwen3-30B-A3B")
+    experts = sum(n for name, n in qwen.other_params if name == "experts") // qwen.moe.num_moe_layers
+    assert moe_leaf_fetch(qwen, Setup(zero_stage=3, gpus=8)) == 2 * (experts + 128 * qwen.hidden_size)
 
 
 def test_quantized_base_under_zero_is_16bit_beside_the_packed_weights(llama8b):

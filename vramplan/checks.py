@@ -56,9 +56,26 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
             f"does not quantize; --quant {setup.quant} keeps them in fp32 (4 bytes each), more than a 16-bit "
             "LoRA base needs"
         )
+    if fsdp_lora_crashes(model, setup):
+        warnings.append(
+            f"FSDP {'NO_SHARD' if setup.fsdp == 'no_shard' else setup.fsdp.upper() + ' on one GPU (run as NO_SHARD)'} "
+            f"with LoRA on {model.name} (tied embeddings) crashes in torch 2.13's FSDP1 with use_orig_params "
+            "(AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>, in "
+            "FlatParamHandle._use_unsharded_views); use --fsdp full_shard on 2+ GPUs, DDP or ZeRO"
+        )
     if gpu is not None and not gpu.bf16 and setup.precision in ("bf16", "bf16-mixed"):
         warnings.append(f"{gpu.display_name} has no bf16; train it with --precision fp16-mixed (or fp32)")
     return warnings
+
+
+def fsdp_lora_crashes(model: ModelSpec, setup: Setup) -> bool:
+    """torch 2.13's FSDP1 fails the first step of a peft LoRA model with tied embeddings when a
+    unit is not sharded (NO_SHARD, or any strategy on one rank) and ``use_orig_params`` is on (as
+    accelerate sets it): after the forward, ``_use_unsharded_views(as_params=True)`` asserts that
+    the tied weight's primary is a Parameter and finds a plain Tensor. Reproduced with plain torch
+    FSDP (no accelerate); untied models and full fine-tuning run."""
+    return (setup.adapters and setup.fsdp != "none" and (setup.fsdp == "no_shard" or setup.gpus == 1)
+            and model.tie_word_embeddings)
 
 
 def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:

@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import cost
-from .checks import check
+from .checks import check, fsdp_lora_crashes
 from .estimator import estimate
 from .specs import Alternative, Breakdown, GpuSpec, ModelSpec, Plan, Rejected, Setup, SpecError
 from .units import GiB
@@ -414,10 +414,13 @@ class _Search:
                 for ck in self._choices("checkpointing", (False, True)):
                     for attn in self._choices("attn", attns):
                         try:  # a GPTQ/AWQ base refuses ZeRO placements
-                            out.append(family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m,
-                                                      optimizer=opt, checkpointing=ck, attn=attn))
+                            s = family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m,
+                                               optimizer=opt, checkpointing=ck, attn=attn)
                         except SpecError:
                             continue
+                        if "fsdp" not in self.fixed and fsdp_lora_crashes(self.model, s):
+                            continue  # torch 2.13's FSDP1 fails on it (checks.py)
+                        out.append(s)
         return out
 
     # -- the search ---------------------------------------------------------------------------------

@@ -256,6 +256,17 @@ class Setup:
             if self.offload_optimizer != "none" and self.offload_params == "none":
                 raise SpecError("FSDP's CPU offload moves parameters, gradients and the optimizer together: "
                                 "use --offload-params cpu")
+            if self.quant == "int8":  # torch 2.13 _flat_param.py, _validate_tensors_to_flatten
+                raise SpecError("FSDP cannot shard LLM.int8 weights (int8 tensors: \"Cannot flatten integer dtype "
+                                "tensors\"); use --quant nf4 or DeepSpeed ZeRO (--zero)")
+            if self.quant in ("nf4", "fp4") and self.precision.endswith("-mixed"):
+                raise SpecError("QLoRA under FSDP needs --precision bf16 or fp16: a -mixed load packs the 4-bit "
+                                "weights in fp32, which FSDP's MixedPrecision casts to 16 bits element by element "
+                                "(bitsandbytes then fails on the broken packing)")
+            if self.quant in ("nf4", "fp4") and self.fsdp == "shard_grad_op":
+                raise SpecError("QLoRA under FSDP SHARD_GRAD_OP fails in torch 2.13 (\"FSDP does not support changing "
+                                "the parameters between forward and backward\": bitsandbytes replaces the gathered "
+                                "4-bit weight in its forward to restore its quant state); use --fsdp full_shard")
             if self.offload_params == "cpu":  # FSDP steps the optimizer where the shards are: the host
                 object.__setattr__(self, "offload_optimizer", "cpu")
         elif self.offload_params != "none" and self.zero_stage != 3:

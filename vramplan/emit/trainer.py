@@ -49,6 +49,8 @@ def script_plan(plan: Plan) -> dict:
         data["double_quant"] = s.double_quant
         if s.quant in ("nf4", "fp4"):
             data["quant_storage"] = _quant_storage(s)
+        if getattr(s, "fsdp", "none") not in ("none", None):
+            data["fsdp"] = s.fsdp  # train.py skips prepare_model_for_kbit_training under FSDP
     data.update(
         precision=s.precision,
         optim=TRAINER_OPTIM[s.optimizer],
@@ -70,7 +72,8 @@ def _quant_storage(s) -> str:
     uint8. ZeRO-3 partitions them as parameters and DeepSpeed casts every parameter to its 16-bit
     dtype at ``initialize`` (an fp32 storage would be cast element-wise, breaking the packing):
     the 16-bit compute dtype. FSDP flattens them with the other weights of a unit: the load dtype
-    (fp32 for "-mixed")."""
+    (fp32 for fp32; Setup refuses a -mixed QLoRA under FSDP: its MixedPrecision would cast the
+    fp32-packed weights to 16 bits element by element)."""
     if s.zero_stage == 3:
         return "float16" if s.precision.startswith("fp16") else "bfloat16"
     if getattr(s, "fsdp", "none") not in ("none", None):

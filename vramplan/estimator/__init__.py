@@ -170,8 +170,9 @@ def estimate(
     N = setup.tokens
     h = model.hidden_size
     # FSDP's MixedPrecision runs the step on 16-bit copies of fp32-loaded weights: its activations
-    # are those of the bf16 step (estimator/fsdp.py), not autocast's
-    aset = setup.replace(precision="bf16") if setup.fsdp != "none" and setup.precision == "bf16-mixed" else setup
+    # are those of the bf16/fp16 step (estimator/fsdp.py), not autocast's
+    fsdp_mixed_load = setup.fsdp != "none" and setup.precision.endswith("-mixed")
+    aset = setup.replace(precision=setup.precision[:4]) if fsdp_mixed_load else setup
     c = act.compute_bytes(aset)
     L = model.num_layers
     n_gpus = setup.gpus
@@ -308,7 +309,8 @@ def estimate(
         last_kept = bottom_kept + bottom_extra
         step_acts = StepActivations(
             at_loss=int(A_layers + A_glob + logits_fwd), backward_start=int(A_layers + A_glob + logits_bwd),
-            top_layer=int(A_layers + top_extra), bottom_layer=int(last_kept), end=int(c * N * h))
+            top_layer=int(A_layers + top_extra), bottom_layer=int(last_kept), end=int(c * N * h),
+            saved=int(A_layers))
         phase_peaks = (zero_phase_peaks(model, setup, zm, step_acts) if zm is not None
                        else fsdp_phase_peaks(model, setup, fm, step_acts))
     phase = max(PHASES, key=lambda p: phase_peaks[p])

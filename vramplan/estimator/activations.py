@@ -138,8 +138,8 @@ def compute_bytes(setup: Setup) -> int:
     back to the input's dtype) and the logits are fp32; only the matmuls run in the compute dtype.
     peft skips that upcast for a GPTQ base: its activations stay in the load dtype (an AWQ base is
     upcast; its GEMM kernel casts each input to fp16 and the output back)."""
-    if setup.quant not in ("none", "gptq") and not deepspeed_16bit(setup):
-        return 4
+    if setup.quant not in ("none", "gptq") and not deepspeed_16bit(setup) and setup.fsdp == "none":
+        return 4  # (under FSDP the base is not prepared: estimator/fsdp.py, _packed_layer)
     return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
 
 
@@ -243,9 +243,10 @@ def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, .
         # autocast: lora_A and lora_B keep c-byte casts of their (fp32) inputs
         c = autocast_bytes(setup)
         return sum(c * l.in_features + c * setup.lora_rank for l in adapted)
-    if a == compute_bytes(setup) and not mask and setup.fsdp == "none":
-        # (under FSDP peft reads the adapter's fp32 sharded parameter, casts the input to fp32, and
-        # autocast casts it back to 16 bits for the gathered weight: each adapter keeps its own copy)
+    if a == compute_bytes(setup) and not mask and (setup.fsdp == "none" or setup.precision == "fp32"):
+        # (under FSDP's MixedPrecision peft reads the adapter's fp32 sharded parameter, casts the input
+        # to fp32, and autocast casts it back to 16 bits for the gathered weight: each adapter keeps
+        # its own copy; fp32 FSDP has no policy and no cast)
         # the cast is a no-op (fp32 activations of a k-bit-prepared base, or 16-bit adapters under
         # DeepSpeed stage 1/2): lora_A keeps the very input the layer computed
         return _shared_linear_inputs(model, setup, adapted, a) + a * setup.lora_rank * len(adapted)

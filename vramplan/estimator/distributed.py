@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from ..specs import ModelSpec, Setup
 from ..units import bnb_4bit_tensor_bytes
 from .activations import adapter_dtype_bytes
-from .lora import adapted_linears, converted_moe
+from .lora import adapted_linears, converted_moe, expert_lora_factors
 
 
 def zero_config(model: ModelSpec, setup: Setup) -> dict:
@@ -265,6 +265,7 @@ class StepActivations:
     top_layer: int  # saved activations + the top layer's backward
     bottom_layer: int  # the bottom layer's saved activations + its backward
     end: int  # what outlives the layers (the embedding's input gradient)
+    saved: int = 0  # every layer's saved activations (at the start of the top layer's backward)
 
 
 def saved_gathered_weights(model: ModelSpec, setup: Setup) -> tuple[int, int]:
@@ -298,6 +299,50 @@ def saved_gathered_weights(model: ModelSpec, setup: Setup) -> tuple[int, int]:
     return kept, layer
 
 
+#: MoE blocks DeepSpeed 0.19 makes ZeRO-3 leaf modules by default (``zero_optimization.leaf_module``,
+#: runtime/zero/leaf_module_config.py ``DEFAULT_LEAF_MODULE_CLASSES``: Mixtral, Qwen2-MoE and
+#: Qwen3-MoE's ``*SparseMoeBlock``), by model_type.
+ZERO3_LEAF_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def moe_leaf_fetch(model: ModelSpec, setup: Setup) -> int:
+    """Bytes of one MoE block's parameters that ZeRO-3 gathers in one fetch on 2+ ranks (0 if none).
+
+    DeepSpeed installs no hooks inside a leaf module: its pre-forward and pre-backward hooks fetch
+    every parameter under it (``iter_params(recurse=True)``) that is not persistent, in one
+    ``all_gather_coalesced`` per dtype: the router (when above the persistence threshold), the
+    fused experts, shared-expert Linears, and under LoRA every adapter factor inside the block
+    (peft's ``ParamWrapper`` on the router and the experts, kept in fp32). The coalesced path
+    gathers into one flat buffer and then copies each parameter out of it
+    (``AllGatherCoalescedHandle.wait``: ``param.data = torch.cat(partitions)``); the buffer is
+    freed only when the handle leaves the in-flight registry, after the last of the block's
+    parameters was waited for, so the fetch holds the block twice. On one rank nothing is
+    gathered (``_no_gather_coalesced``)."""
+    if setup.zero_stage != 3 or setup.gpus < 2 or model.moe is None or model.model_type not in ZERO3_LEAF_MOE:
+        return 0
+    pb = _elem_bytes(setup)
+    threshold = zero_config(model, setup)["stage3_param_persistence_threshold"]
+    n_moe = max(model.moe.num_moe_layers, 1)
+    numel = sum(n for name, n in model.other_params if name == "experts") // n_moe
+    router = sum(n for name, n in model.other_params if name == "router") // n_moe
+    numel += router if router > threshold else 0
+    quantized = {id(l) for l in _quantized(model, setup)}
+    block = [l for l in model.linears if l.role in ("shared_expert", "router")]  # per layer (count: layers)
+    stored_bytes = 0  # int8 weights: one byte per element
+    for l in block:
+        if id(l) in quantized:
+            stored = _stored_numel(l, setup, pb)
+            stored_bytes += (stored * (1 if setup.quant == "int8" else pb)) if stored > threshold else 0
+        else:
+            numel += l.weight_params if l.weight_params > threshold else 0
+        numel += l.out_features if l.bias and l.out_features > threshold else 0
+    factors = [f for f in expert_lora_factors(model, setup) if f > threshold]
+    r = setup.lora_rank
+    adapted = {id(l) for l in adapted_linears(model, setup)}
+    factors += [f for l in block if id(l) in adapted for f in (r * l.in_features, l.out_features * r) if f > threshold]
+    return pb * numel + stored_bytes + adapter_dtype_bytes(setup) * sum(factors)
+
+
 def zero_phase_peaks(model: ModelSpec, setup: Setup, zm: ZeroMemory, act: StepActivations) -> dict[str, int]:
     """Per-rank device peak of each phase under ZeRO.
 
@@ -311,7 +356,7 @@ def zero_phase_peaks(model: ModelSpec, setup: Setup, zm: ZeroMemory, act: StepAc
     kept_experts, layer_experts = saved_gathered_weights(model, setup)
     act = StepActivations(at_loss=act.at_loss + kept_experts, backward_start=act.backward_start + kept_experts,
                           top_layer=act.top_layer + kept_experts, bottom_layer=act.bottom_layer + layer_experts,
-                          end=act.end)
+                          end=act.end, saved=act.saved)
     head = model.vocab_size * model.hidden_size * pb if full else 0
     # inside the layers the largest gradient is a layer's largest matrix; the embedding's comes last
     layer = max((l.weight_params for l in model.linears if l.role != "head"), default=0) * pb if full else 0
@@ -319,12 +364,16 @@ def zero_phase_peaks(model: ModelSpec, setup: Setup, zm: ZeroMemory, act: StepAc
     grads = 0 if zm.grad_partition_static else zm.grad_partition + zm.buckets
     held = head if model.tie_word_embeddings else 0
     mod = zm.gathered
+    # a leaf MoE block's fetch (moe_leaf_fetch) holds it twice; the top layer's, at the start of
+    # its backward, beside every layer's saved activations and the incoming gradient
+    fetch = 2 * moe_leaf_fetch(model, setup)
     forward = zm.static + act.at_loss
     backward = zm.static + max(
         act.backward_start,
         act.top_layer + grads + max(head, layer) + mod,
         act.bottom_layer + grads + held + layer + mod,
         act.end + grads + (3 * held if held else largest),
+        act.saved + kept_experts + act.end + grads + held + fetch if fetch else 0,
     )
     optimizer = zm.static + zm.step
     return {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}

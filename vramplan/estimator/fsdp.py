@@ -42,10 +42,16 @@ the whole run (torch/csrc/distributed/c10d/reducer.cpp, ``initialize_buckets``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
-from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
+from ..units import (
+    BNB_MIN_8BIT_SIZE,
+    DTYPE_BYTES,
+    PRECISION_WEIGHT_DTYPE,
+    bnb_4bit_tensor_bytes,
+)
 from .lora import lora_params
 
 #: Setup.precision -> whether accelerate runs FSDP with a MixedPrecision policy (emit/accelerate.py
@@ -54,9 +60,10 @@ _FSDP_MIXED = {"bf16": True, "bf16-mixed": True, "fp16": False, "fp16-mixed": Tr
 
 #: Optimizer states per trainable shard element: AdamW's two moments and SGD's momentum in the
 #: shard's dtype (this many times its bytes); the others in fixed bytes (Lion's fp32 momentum,
-#: Adafactor's full second moment on 1-D shards, 8-bit AdamW's uint8 states and block scales).
+#: Adafactor's full second moment on 1-D shards, paged 8-bit AdamW's uint8 states and block scales;
+#: 8-bit AdamW per original parameter's slice: _bnb_8bit_states).
 _STATE_PER_ELEMENT = {"adamw": 2, "adamw-fused": 2, "sgd": 1}
-_STATE_FIXED = {"lion": 4, "adafactor": 4, "adamw-8bit": 2 * (1 + 4 / 256), "paged-adamw-8bit": 2 * (1 + 4 / 256)}
+_STATE_FIXED = {"lion": 4, "adafactor": 4, "paged-adamw-8bit": 2 * (1 + 4 / 256)}
 
 
 def is_ddp(setup: Setup) -> bool:
@@ -106,13 +113,75 @@ def _root_params(model: ModelSpec) -> int:
     return embed + head + final_norm
 
 
+def _packed_layer(model: ModelSpec, setup: Setup) -> tuple[int | None, int, int]:
+    """A bitsandbytes 4-bit base under FSDP: (packed bytes of one layer unit's quantized weights,
+    its other parameters (norms, biases), every quant state's bytes); (None, 0, 0) otherwise.
+    The emitted train.py loads the base without ``prepare_model_for_kbit_training`` under FSDP
+    (its fp32 upcast of norms and embeddings would give a unit two dtypes, which FSDP refuses):
+    the parameters outside the Linears stay in the load dtype."""
+    if setup.quant not in ("nf4", "fp4"):
+        return None, 0, 0
+    L = max(model.num_layers, 1)
+    quantized = [l for l in model.linears if l.role != "head"]
+    packed = sum(l.count * -(-l.weight_params // 2) for l in quantized)
+    states = sum(l.count * (bnb_4bit_tensor_bytes(l.weight_params, setup.double_quant) - -(-l.weight_params // 2))
+                 for l in quantized)
+    layer_p = (model.params_total - _root_params(model)) // L
+    rest = layer_p - sum(l.count * l.weight_params for l in quantized) // L
+    return packed // L, rest, states
+
+
+def _unit_tensors(model: ModelSpec, setup: Setup) -> list[tuple[list[tuple[int, bool]], int]]:
+    """The trainable FSDP units, each as ([(numel, is an nn.Embedding weight)] in flattening
+    order, how many such units): the root (embeddings, final norm, an untied head) and a layer
+    (its Linears in module order, then its norms) for full fine-tuning; each adapter Linear its
+    own unit under LoRA (peft's ``fsdp_auto_wrap_policy``)."""
+    from .optimizers import _linear_and_other_tensors
+
+    L = max(model.num_layers, 1)
+    if setup.adapters:
+        return [([(math.prod(shape), False)], count) for shape, count in _linear_and_other_tensors(model, setup)]
+    embed = [(n, True) for name, n in model.other_params if name == "embed_tokens"]
+    head = [(l.weight_params, False) for l in model.linears if l.role == "head"]
+    root = embed + [(model.hidden_size, False)] + head
+    layer: list[tuple[int, bool]] = []
+    for shape, count in _linear_and_other_tensors(model, setup):
+        n = math.prod(shape)
+        if shape == (model.vocab_size, model.hidden_size) and any(l.role == "head" for l in model.linears):
+            continue  # the head: in the root unit
+        layer += [(n, False)] * (count // L)
+    return [(root, 1), (layer, L)]
+
+
+def _bnb_8bit_states(model: ModelSpec, setup: Setup, n: int) -> int:
+    """bitsandbytes 8-bit AdamW states on the fullest rank. With ``use_orig_params`` the optimizer
+    steps each original parameter's slice of the rank's shard (a 1-D view, empty when the shard
+    holds none of it): a slice under ``min_8bit_size`` gets two fp32 states, as do embedding
+    slices (the HF Trainer's 32-bit override); others two uint8 states and an fp32 absmax per
+    256-element block (estimator/optimizers.py). Each unit is padded to a multiple of the ranks
+    and split into equal contiguous shards."""
+    per_rank = [0] * n
+    for tensors, count in _unit_tensors(model, setup):
+        chunk = _shard(sum(t for t, _ in tensors), n)
+        for r in range(n):
+            lo, hi, offset, total = r * chunk, (r + 1) * chunk, 0, 0
+            for numel, embedding in tensors:
+                k = max(0, min(hi, offset + numel) - max(lo, offset))
+                offset += numel
+                if k == 0:
+                    continue
+                total += 8 * k if embedding or k < BNB_MIN_8BIT_SIZE else 2 * k + 8 * -(-k // 256)
+            per_rank[r] += count * total
+    return max(per_rank)
+
+
 def _shard(n: int, ranks: int) -> int:
     return -(-n // ranks)
 
 
 def fsdp_memory(model: ModelSpec, setup: Setup, base_bytes: int | None = None) -> FsdpMemory:
     """Model-state bytes per rank of ``setup`` under FSDP on ``setup.gpus`` ranks. ``base_bytes``:
-    the frozen base's bytes as loaded (a quantized base's packed weights), sharded like any unit."""
+    unused (a bitsandbytes 4-bit base's units are built here from the model, :func:`_packed_layer`)."""
     L = max(model.num_layers, 1)
     n = 1 if setup.fsdp == "no_shard" else setup.gpus
     # FSDP runs any sharded strategy on one rank as NO_SHARD
@@ -123,18 +192,24 @@ def fsdp_memory(model: ModelSpec, setup: Setup, base_bytes: int | None = None) -
     tb = 4 if mixed else w  # a trainable shard's dtype (accelerate upcasts it under mixed precision)
     root_p = _root_params(model)
     layer_p = (model.params_total - root_p) // L
-    unit_shards = _shard(root_p, n) + L * _shard(layer_p, n)
     full = setup.method == "full"
+    # a bitsandbytes 4-bit base: each layer unit flattens its packed weights (stored in the load
+    # dtype, bnb_4bit_quant_storage) with its norms; the quant states are no parameters and stay
+    # whole on every rank (see _packed_layer)
+    packed, rest, quant_states = _packed_layer(model, setup)
+    layer_elems = layer_p if packed is None else -(-packed // w) + rest
+    unit_shards = _shard(root_p, n) + L * _shard(layer_elems, n)
     if full:
         trainable_shard = unit_shards
         shards = tb * unit_shards
     else:  # frozen base in its load dtype; adapters (peft's fp32) in their own units
         trainable_shard = _shard(lora_params(model, setup), n)
         tb = 4
-        frozen = w * unit_shards if base_bytes is None or setup.quant == "none" else _shard(base_bytes, n)
-        shards = frozen + tb * trainable_shard
+        shards = w * unit_shards + quant_states + tb * trainable_shard
     if setup.optimizer in _STATE_PER_ELEMENT:
         states = int(_STATE_PER_ELEMENT[setup.optimizer] * tb * trainable_shard)
+    elif setup.optimizer == "adamw-8bit":
+        states = _bnb_8bit_states(model, setup, n)
     else:
         states = int(_STATE_FIXED[setup.optimizer] * trainable_shard)
     grad_shards = tb * trainable_shard
@@ -142,7 +217,7 @@ def fsdp_memory(model: ModelSpec, setup: Setup, base_bytes: int | None = None) -
     # unsharded copies: with NO_SHARD and no cast the flat parameter itself is used
     copies = not (n == 1 and not mixed and full) and not (n == 1 and not full)
     root = cb * root_p if copies else 0
-    layer = cb * layer_p if copies else 0
+    layer = (cb * layer_p if packed is None else packed + cb * rest) if copies else 0
     if not full and mixed and keep_layers:
         # SHARD_GRAD_OP keeps every unit gathered from its forward to its backward, a layer's
         # adapter units (cast to 16 bits) too; FULL_SHARD regathers them one at a time in backward

@@ -39,15 +39,22 @@ def adapted_linears(model: ModelSpec, setup: Setup) -> list[LinearSpec]:
     return targeted
 
 
+def expert_lora_factors(model: ModelSpec, setup: Setup) -> tuple[int, ...]:
+    """Numel of each ParamWrapper LoRA factor of one MoE layer (empty if peft puts none there):
+    router (E x h) A r x h, B E x r; gate_up (E x 2i x h) at rank 2r per expert, A 2rE x h,
+    B 2i x 2rE; down (E x h x i) A rE x i, B h x rE."""
+    if not (setup.adapters and converted_moe(model) and setup.lora_targets == "all-linear"):
+        return ()
+    moe, h, r = model.moe, model.hidden_size, setup.lora_rank
+    E, i = moe.num_experts, moe.expert_intermediate_size
+    return (r * h, E * r, 2 * r * E * h, 2 * i * 2 * r * E, r * E * i, h * r * E)
+
+
 def expert_lora_params(model: ModelSpec, setup: Setup) -> int:
     """ParamWrapper adapters on the router weight (E x h: r (h + E)) and on the stacked experts:
     gate_up (E x 2i x h) at rank 2r per expert -> 2rE (h + 2i); down (E x h x i) -> rE (i + h)."""
-    if not (setup.adapters and converted_moe(model) and setup.lora_targets == "all-linear"):
-        return 0
-    moe, h, r = model.moe, model.hidden_size, setup.lora_rank
-    E, i = moe.num_experts, moe.expert_intermediate_size
-    per_layer = r * (h + E) + 2 * r * E * (h + 2 * i) + r * E * (i + h)
-    return moe.num_moe_layers * per_layer
+    factors = expert_lora_factors(model, setup)
+    return model.moe.num_moe_layers * sum(factors) if factors else 0
 
 
 def lora_params(model: ModelSpec, setup: Setup) -> int:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ..specs import ModelSpec, Setup, SpecError, truncate_config
+from . import release_deepspeed_shm
 
 #: The tiny model every ZeRO truth run uses: Llama-3.2-1B's architecture (tied embeddings, GQA,
 #: SwiGLU) scaled down so that four processes on two cores finish in seconds.
@@ -216,6 +217,7 @@ def run_zero(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ,
                     p.kill()
                     p.wait()
                 log.close()
+            release_deepspeed_shm(port)
         got = {}
         for r, (p, _) in enumerate(procs):
             out = Path(tmp) / f"rank{r}.json"
@@ -701,7 +703,14 @@ def zero_rows(quick: bool) -> list:
     for base, world, kws in zero_launches(quick):
         family = tiny_model(base=base).family
         setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in kws]
-        for run, est in compare_setups(setups, world, base):
+        try:
+            compared = compare_setups(setups, world, base)
+        except RuntimeError as exc:  # a launch that crashed or timed out: its rows say so, the rest stand
+            why = f"the {world}-process DeepSpeed run failed here: {str(exc).splitlines()[0]}"
+            rows += [Row(f"{base}[tiny]", family, s, 0, 0, "", "", truth=f"deepspeed-{world}", knob="zero",
+                         verified=False, why=why) for s in setups]
+            continue
+        for run, est in compared:
             worst = run.worst
             rows.append(Row(f"{base}[tiny]", family, run.setup, worst.device_bytes, est.tensor_peak_bytes,
                             worst.phase, est.phase, truth=f"deepspeed-{world}", knob="zero"))

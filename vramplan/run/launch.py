@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_text
+from . import release_deepspeed_shm
 
 #: Seconds between SIGTERM and SIGKILL when a run is stopped.
 KILL_GRACE_S = 5.0
@@ -113,7 +114,7 @@ def run_one(request: dict, workdir: str | os.PathLike, timeout_s: float) -> dict
     for rank in range(world_size):
         name = "run" if world_size == 1 else f"rank{rank}"
         req = _write_request(request, workdir, name)
-        rank_env = dict(base_env)
+        rank_env = dict(base_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # one rank: DeepSpeed takes it
         if world_size > 1:
             rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -130,6 +131,8 @@ def run_one(request: dict, workdir: str | os.PathLike, timeout_s: float) -> dict
     for proc, req, log in procs:
         if proc.poll() is None:
             _kill_group(proc)
+    release_deepspeed_shm(port)
+    for proc, req, log in procs:
         result = _read_json(Path(req["result"]))
         if result is None:
             result = _failure(req, log, timeout=timed_out, returncode=proc.returncode, timeout_s=timeout_s)

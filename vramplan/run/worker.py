@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_text
+from . import release_deepspeed_shm
 from .live import LiveTensorCounter
 
 #: Steps whose live tensors are counted (the canonical step's peak is over two steps).
@@ -425,10 +426,12 @@ def _single_process_env() -> None:
     """What the deepspeed launcher sets for one process (train.py's ``main`` does the same)."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    port = os.environ.get("MASTER_PORT")  # the launcher's choice, so it can release DeepSpeed's shm after
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -566,11 +569,11 @@ def _fork(request: dict, env: dict[str, str]) -> int:
 def _rank_requests(request: dict) -> list[tuple[dict, dict[str, str]]]:
     """One (request, environment) per rank: what ``torchrun``/``deepspeed`` give each process."""
     world = int(request.get("world_size") or 1)
-    if world == 1:
-        return [(request, {})]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
+    if world == 1:  # the port only: a DeepSpeed run takes it (_single_process_env), serve releases its shm
+        return [(request, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})]
     return [({**request, "result": f"{request['result']}.rank{r}", "status": f"{request['status']}.rank{r}"},
              {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(world)]
@@ -605,6 +608,7 @@ def serve(requests: list[dict]) -> int:
                         os.kill(pid, signal.SIGKILL)
                         codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             time.sleep(0.05)
+        release_deepspeed_shm(ranks[0][1]["MASTER_PORT"])
         results = []
         for (req, _), pid in zip(ranks, pids):
             if not Path(req["result"]).is_file():

@@ -167,7 +167,9 @@ def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torc
     else:
         with tempfile.TemporaryDirectory() as tmp:
             model = AutoModelForCausalLM.from_pretrained(random_checkpoint(args, tmp), **kwargs)
-    if quant is not None:
+    # not under FSDP: its fp32 upcast of the norms and embeddings would give a unit two dtypes
+    # beside the packed weights, which FSDP refuses to flatten (TRL skips it for sharded QLoRA too)
+    if quant is not None and "fsdp" not in PLAN:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=PLAN["checkpointing"],
