@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from _common import print_error_summary, print_rank_rows  # benchmarks/_common.py (scripts run from this folder)
+
 from vramplan.run.distributed import (
     LORA_MATRIX,
     MIXED_MATRIX,
@@ -82,17 +84,9 @@ def main() -> None:
             m = tiny_model(base=base)
             print(f"model: {m.name} ({m.params_total:,} params, tied head: {m.tie_word_embeddings}), {world} rank(s)")
         setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in matrix]
-        for run, est in compare_setups(setups, world, base):
-            for r in run.ranks:
-                err = est.tensor_peak_bytes / r.device_bytes - 1
-                errors.append(err)
-                herr = f"{est.host_bytes / r.host_bytes - 1:+.1%}" if r.host_bytes else "-"
-                print(f"{_name(run.setup):44s} {world:2d} {r.rank:4d} {r.device_bytes:10,d} {est.tensor_peak_bytes:10,d} "
-                      f"{err:+7.1%} {r.phase + '/' + est.phase:>19s} {r.host_bytes:11,d} {est.host_bytes:9,d} {herr:>8s}")
+        print_rank_rows(compare_setups(setups, world, base), world, _name, 44, errors)
         print(f"  ({world} rank{'s' if world > 1 else ''}: {time.perf_counter() - t0:.1f} s for {len(setups)} setups)")
-    worst = max(errors, key=abs)
-    print(f"\n{len(errors)} rank rows; median |error| {sorted(abs(e) for e in errors)[len(errors) // 2]:.2%}, "
-          f"worst {worst:+.2%}; total {time.perf_counter() - t_all:.1f} s")
+    print_error_summary(errors, t_all)
     for kw, why in UNVERIFIED:
         print(f"not verified: {kw}: {why}")
     if args.timing:

@@ -164,14 +164,21 @@ def build_model(config: dict, setup: Setup):
         model = peft.prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=setup.checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = adapt_for_training(model, setup)
+    return model
+
+
+def adapt_for_training(model, setup: Setup):
+    """What every truth does after building the base: peft LoRA adapters (``setup.adapters``),
+    HF gradient checkpointing (``use_reentrant=False``; inputs require grad under LoRA so the
+    checkpointed segments have a grad path), train mode. Returns the (wrapped) model."""
     if setup.adapters:
         import peft
 
         targets = setup.lora_targets
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
-            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-            task_type="CAUSAL_LM"))
+            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
+            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
     if setup.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if setup.adapters:

@@ -512,7 +512,7 @@ def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_pa
     import transformers
 
     from ..architecture import model_spec_from_config
-    from .cpu_truth import _int8_as_on_cuda, quant_state_tensors
+    from .cpu_truth import _int8_as_on_cuda, adapt_for_training, quant_state_tensors
 
     spec = model_spec_from_config(config, name="tiny")
     transformers.logging.set_verbosity_error()
@@ -526,18 +526,7 @@ def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_pa
             InsertPostInitMethodToModuleSubClasses as _Init,
         )
     model = _build_model(config, setup, cfg, work)
-    if setup.adapters:
-        import peft
-
-        targets = setup.lora_targets
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
-            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
-    if setup.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if setup.adapters:
-            model.enable_input_require_grads()
-    model.train()
+    model = adapt_for_training(model, setup)
     opt = None if uses_ds_cpu_adam(setup) else _client_optimizer(setup, model)
     host_step = setup.offload_optimizer != "none"
 

@@ -235,6 +235,7 @@ def _build_model(config: dict, setup: Setup, work: str = ""):
     import transformers
 
     from ..tracer import _hf_config
+    from .cpu_truth import adapt_for_training
 
     hf_cfg = _hf_config(config, None)
     hf_cfg.use_cache = False
@@ -246,18 +247,7 @@ def _build_model(config: dict, setup: Setup, work: str = ""):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
     else:
         model = _quantized_base(config, setup, dtype, work)
-    if setup.adapters:
-        import peft
-
-        targets = setup.lora_targets
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
-            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
-    if setup.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if setup.adapters:
-            model.enable_input_require_grads()
-    model.train()
+    model = adapt_for_training(model, setup)
     return model
 
 
