@@ -173,6 +173,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_ranks(module: str, job: dict, world: int, timeout_s: float, env: dict, what: str) -> list:
+    """Run ``python -m MODULE JOB`` as ``world`` local ranks (RANK/WORLD_SIZE/LOCAL_RANK, a free
+    port on 127.0.0.1, ``env`` added) and return each rank's JSON result, which the worker writes
+    to ``<job["out"]>/rank<r>.json``. Subprocesses, no fork of the caller: this works from pytest,
+    a CLI command or a script alike. Past ``timeout_s`` every rank dumps its stack (SIGUSR1, the
+    workers' faulthandler) and RuntimeError carries the logs; a crash raises with the log of the
+    rank that crashed first, not of one that lost its peer. DeepSpeed's shared-memory buffers
+    are released whatever happened."""
+    with tempfile.TemporaryDirectory(prefix=f"vramplan-{what.lower()}-") as tmp:
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps({**job, "out": tmp}))
+        port = _free_port()
+        procs = []
+        for r in range(world):
+            rank_env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **env)
+            log = open(Path(tmp) / f"rank{r}.log", "w")  # noqa: SIM115 (closed after the wait below)
+            procs.append((subprocess.Popen([sys.executable, "-m", module, str(path)],
+                                           env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p, _ in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            tails = "".join(f"--- rank {r}:\n" + (Path(tmp) / f"rank{r}.log").read_text()[-2000:]
+                            for r in range(world))
+            raise RuntimeError(f"{what} workers did not finish within {timeout_s:.0f} s\n{tails}") from None
+        finally:
+            for p, log in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                log.close()
+            release_deepspeed_shm(port)
+        results, failed = [], []
+        for r, (p, _) in enumerate(procs):
+            out = Path(tmp) / f"rank{r}.json"
+            if p.returncode != 0 or not out.is_file():
+                failed.append((r, p.returncode, (Path(tmp) / f"rank{r}.log").read_text()[-3000:]))
+            else:
+                results.append(json.loads(out.read_text()))
+        if failed:
+            r, code, tail = min(failed, key=lambda f: "closed by peer" in f[2])
+            raise RuntimeError(f"rank {r} exited with {code}:\n{tail}")
+        return results
+
+
 def run_zero(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ, timeout_s: float = 600,
              detail: bool = False) -> list[ZeroRun]:
     """Run each setup (all with ``gpus == world``) on ``world`` processes, in one launch.
@@ -186,45 +238,9 @@ def run_zero(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ,
             raise SpecError(f"setup has gpus={s.gpus} but the launch has {world} processes")
         if not s.zero_stage:
             raise SpecError("run_zero measures DeepSpeed ZeRO setups (zero_stage 1-3)")
-    with tempfile.TemporaryDirectory(prefix="vramplan-zero-") as tmp:
-        job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"config": config, "setups": [s.to_dict() for s in setups], "seq": seq,
-                                   "detail": detail, "out": tmp}))
-        port = _free_port()
-        procs = []
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                       TOKENIZERS_PARALLELISM="false")
-            log = open(Path(tmp) / f"rank{r}.log", "w")  # noqa: SIM115 (closed after the wait below)
-            procs.append((subprocess.Popen([sys.executable, "-m", "vramplan.run.distributed", str(job)],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        deadline = time.monotonic() + timeout_s
-        try:
-            for p, _ in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:  # each rank's stack into its log (faulthandler, see _worker)
-                if p.poll() is None:
-                    p.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
-            tails = "".join(f"--- rank {r}:\n" + (Path(tmp) / f"rank{r}.log").read_text()[-2000:]
-                            for r in range(world))
-            raise RuntimeError(f"DeepSpeed workers did not finish within {timeout_s:.0f} s\n{tails}") from None
-        finally:
-            for p, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                log.close()
-            release_deepspeed_shm(port)
-        got = {}
-        for r, (p, _) in enumerate(procs):
-            out = Path(tmp) / f"rank{r}.json"
-            if p.returncode != 0 or not out.is_file():
-                tail = (Path(tmp) / f"rank{r}.log").read_text()[-3000:]
-                raise RuntimeError(f"rank {r} exited with {p.returncode}:\n{tail}")
-            got[r] = json.loads(out.read_text())
+    got = launch_ranks("vramplan.run.distributed", {"config": config, "setups": [s.to_dict() for s in setups],
+                                                    "seq": seq, "detail": detail},
+                       world, timeout_s, {"DS_ACCELERATOR": "cpu"}, "DeepSpeed")
     runs = []
     for i, s in enumerate(setups):
         ranks = tuple(RankPeak(**got[r][i]["peak"]) for r in range(world))
@@ -294,6 +310,18 @@ def _split_counter_class():
                 sid = self._by_obj.get(id(tensor.untyped_storage()))
                 if sid is not None:
                     self.host_sids.add(sid)
+
+        def host_steps(self, optimizer) -> None:
+            """Count what ``optimizer.step()`` allocates as host memory (it steps on the host)."""
+
+            def _pre(*_a):
+                self.host_context = True
+
+            def _post(*_a):
+                self.host_context = False
+
+            optimizer.register_step_pre_hook(_pre)
+            optimizer.register_step_post_hook(_post)
 
         def mark_host(self, tensors) -> None:
             for t in tensors:
@@ -539,16 +567,7 @@ def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_pa
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         init_bytes = counter.peak_bytes
         if host_step:
-            inner = engine.optimizer.optimizer
-
-            def _pre(*_a):
-                counter.host_context = True
-
-            def _post(*_a):
-                counter.host_context = False
-
-            inner.register_step_pre_hook(_pre)
-            inner.register_step_post_hook(_post)
+            counter.host_steps(engine.optimizer.optimizer)
         for step in range(2):
             counter.mark_host(_host_tensors(engine, setup))
             if step == 1:

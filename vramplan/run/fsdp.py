@@ -50,10 +50,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +60,7 @@ from .distributed import (
     TINY_BASE,
     TINY_SEQ,
     RankPeak,
-    _free_port,
+    launch_ranks,
     tiny_config,
     tiny_model,
 )
@@ -102,40 +99,8 @@ def run_fsdp(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ,
             raise SpecError(f"setup has gpus={s.gpus} but the launch has {world} processes")
         if s.zero_stage:
             raise SpecError("run_fsdp measures FSDP and DDP setups; ZeRO has vramplan.run.distributed")
-    with tempfile.TemporaryDirectory(prefix="vramplan-fsdp-") as tmp:
-        job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"config": config, "setups": [s.to_dict() for s in setups], "seq": seq, "out": tmp}))
-        port = _free_port()
-        procs = []
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true")
-            log = open(Path(tmp) / f"rank{r}.log", "w")  # noqa: SIM115 (closed after the wait below)
-            procs.append((subprocess.Popen([sys.executable, "-m", "vramplan.run.fsdp", str(job)],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        deadline = time.monotonic() + timeout_s
-        try:
-            for p, _ in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"FSDP workers did not finish within {timeout_s:.0f} s") from None
-        finally:
-            for p, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                log.close()
-        got, failed = {}, []
-        for r, (p, _) in enumerate(procs):
-            out = Path(tmp) / f"rank{r}.json"
-            if p.returncode != 0 or not out.is_file():
-                failed.append((r, p.returncode, (Path(tmp) / f"rank{r}.log").read_text()[-3000:]))
-            else:
-                got[r] = json.loads(out.read_text())
-        if failed:  # the rank that crashed first, not one that lost its peer
-            r, code, tail = min(failed, key=lambda f: "closed by peer" in f[2])
-            raise RuntimeError(f"rank {r} exited with {code}:\n{tail}")
+    got = launch_ranks("vramplan.run.fsdp", {"config": config, "setups": [s.to_dict() for s in setups], "seq": seq},
+                       world, timeout_s, {"ACCELERATE_USE_CPU": "true"}, "FSDP")
     return [FsdpRun(s, tuple(RankPeak(**got[r][i]["peak"]) for r in range(world)), got[0][i]["wrapper"],
                     got[0][i]["units"]) for i, s in enumerate(setups)]
 
@@ -381,14 +346,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
             scaler = ShardedGradScaler(device="cpu")
         if offload:
             _host_writeback(counter)
-            def _pre(*_a):
-                counter.host_context = True
-
-            def _post(*_a):
-                counter.host_context = False
-
-            opt.register_step_pre_hook(_pre)
-            opt.register_step_post_hook(_post)
+            counter.host_steps(opt)
         for step in range(2):
             if offload:
                 counter.mark_host(_host_tensors(wrapped, opt))
