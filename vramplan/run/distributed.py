@@ -700,6 +700,16 @@ def zero_launches(quick: bool) -> list[tuple[str, int, tuple]]:
     return launches + [(base, w, MOE_MATRIX) for base in MOE_BASES for w in (1, 2)]
 
 
+def failed_launch_rows(setups, world: int, base: str, family: str, exc: Exception, label) -> list:
+    """The validate rows of a launch that crashed or timed out: each setup unverified, with the
+    first line of the failure; ``label(setup)`` gives its (knob, truth name without ``-N``)."""
+    from ..accuracy import Row
+
+    why = f"the {world}-process run failed here: {str(exc).splitlines()[0]}"
+    return [Row(f"{base}[tiny]", family, s, 0, 0, "", "", truth=f"{label(s)[1]}-{world}", knob=label(s)[0],
+                verified=False, why=why) for s in setups]
+
+
 def zero_rows(quick: bool) -> list:
     """Rows for ``vramplan validate``: one per (setup, world size), the worst rank's device peak as
     the truth (``truth="deepspeed-N"``, ``knob="zero"``), plus unverifiable cases with their reason
@@ -714,9 +724,7 @@ def zero_rows(quick: bool) -> list:
         try:
             compared = compare_setups(setups, world, base)
         except RuntimeError as exc:  # a launch that crashed or timed out: its rows say so, the rest stand
-            why = f"the {world}-process DeepSpeed run failed here: {str(exc).splitlines()[0]}"
-            rows += [Row(f"{base}[tiny]", family, s, 0, 0, "", "", truth=f"deepspeed-{world}", knob="zero",
-                         verified=False, why=why) for s in setups]
+            rows += failed_launch_rows(setups, world, base, family, exc, lambda s: ("zero", "deepspeed"))
             continue
         for run, est in compared:
             worst = run.worst

@@ -60,6 +60,7 @@ from .distributed import (
     TINY_BASE,
     TINY_SEQ,
     RankPeak,
+    failed_launch_rows,
     launch_ranks,
     tiny_config,
     tiny_model,
@@ -471,11 +472,8 @@ def fsdp_rows(quick: bool) -> list:
         try:
             compared = compare_setups(setups, world, base)
         except RuntimeError as exc:  # a launch that crashed or timed out: its rows say so, the rest stand
-            why = f"the {world}-process run failed here: {str(exc).splitlines()[0]}"
-            for s in setups:
-                knob = "fsdp" if s.fsdp != "none" else "ddp"
-                rows.append(Row(f"{base}[tiny]", family, s, 0, 0, "", "", truth=f"{knob}-{world}", knob=knob,
-                                verified=False, why=why))
+            rows += failed_launch_rows(setups, world, base, family, exc,
+                                       lambda s: ("fsdp", "fsdp") if s.fsdp != "none" else ("ddp", "ddp"))
             continue
         for run, est in compared:
             worst = run.worst
