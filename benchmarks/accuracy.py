@@ -44,8 +44,8 @@ def family_matrix(full: bool, shapes: list[tuple[int, int]]) -> None:
 
 def validate_matrix(quick: bool, as_json: bool) -> None:
     """The matrix of `vramplan validate`: one line per row as it runs, then the per-knob summary."""
-    from vramplan.cli import describe
     from vramplan.validate import matrix, row_json, run_case, summarize, unverified_rows
+    from vramplan.wording import describe
 
     t0 = time.perf_counter()
     rows = []

@@ -55,7 +55,7 @@ def main() -> None:
                              ("CLI, --format github", ["--format", "github", "--summary", ""])):
             rows.append((f"{label} (fresh process)", time_command(base + extra, args.n)))
 
-        from vramplan.check import load_specs, read_baseline, run_checks
+        from vramplan.budget import load_specs, read_baseline, run_checks
 
         t0 = time.perf_counter()
         run_checks(load_specs([spec]), read_baseline(baseline))

@@ -18,8 +18,8 @@ import time
 
 from _common import print_error_summary, print_rank_rows  # benchmarks/_common.py (scripts run from this folder)
 
-from vramplan.run.distributed import TINY_SEQ, tiny_model
 from vramplan.run.fsdp import UNVERIFIED, compare_setups, launches
+from vramplan.run.tiny import TINY_SEQ, tiny_model
 from vramplan.specs import Setup
 
 

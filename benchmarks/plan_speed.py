@@ -40,11 +40,11 @@ CASES = [
 def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, float, int, object]:
     """Median wall and CPU seconds of ``vramplan.plan``, the estimates of the last run, the plan."""
     import vramplan
-    from vramplan import search
+    from vramplan.search import Evaluator
 
     vramplan.plan(model, gpu, **kwargs)  # warm-up: profile parsing, caches
     counted = [0]
-    real = search._Search.estimate
+    real = Evaluator.estimate
 
     def counting(self, setup):
         if setup not in self.cache:
@@ -55,14 +55,14 @@ def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, floa
     plan = None
     for _ in range(n):
         counted[0] = 0
-        search._Search.estimate = counting
+        Evaluator.estimate = counting
         try:
             t0, c0 = time.perf_counter(), time.process_time()
             plan = vramplan.plan(model, gpu, **kwargs)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         finally:
-            search._Search.estimate = real
+            Evaluator.estimate = real
     return statistics.median(times), statistics.median(cpu), counted[0], plan
 
 

@@ -10,8 +10,8 @@ import time
 
 from vramplan.estimator import estimate
 from vramplan.profiles import load_model
+from vramplan.run.tracer import trace
 from vramplan.specs import Setup
-from vramplan.tracer import trace
 
 CASES = [
     ("meta-llama/Llama-3.1-70B", Setup(method="lora", checkpointing=True, seq=4096)),

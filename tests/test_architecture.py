@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vramplan.architecture import FAMILIES, model_spec_from_config
+from vramplan.architecture import FAMILIES, model_spec_from_config, with_layers
 from vramplan.profiles import load_model, shipped_models
 from vramplan.specs import SpecError
 
@@ -52,7 +52,7 @@ def test_parameter_count_is_exact(hf_id):
 @pytest.mark.parametrize("hf_id", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen3-30B-A3B", "google/gemma-2-2b", "EleutherAI/gpt-j-6b"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_truncated_copies_are_exact(hf_id, layers):
-    spec = load_model(hf_id).with_layers(layers)
+    spec = with_layers(load_model(hf_id), layers)
     assert spec.num_layers == layers
     assert spec.params_total == sum(p.numel() for p in meta_model(spec.config).parameters())
 
@@ -113,6 +113,6 @@ def test_unknown_model_type_without_transformers_names_the_extra():
         "except SpecError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "falcon" in out.stdout and "pip install 'vramplan[run]'" in out.stdout

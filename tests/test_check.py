@@ -15,7 +15,7 @@ from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
-from vramplan.check import DEFAULT_TOLERANCE, load_specs, parse_tolerance, read_baseline
+from vramplan.budget import DEFAULT_TOLERANCE, load_specs, parse_tolerance, read_baseline
 from vramplan.cli import main
 from vramplan.planfile import save_plan
 from vramplan.specs import Plan, SpecError, truncate_config

@@ -124,7 +124,7 @@ def test_lora_unsharded_on_tied_embeddings_warns_and_is_not_planned():
     """torch 2.13's FSDP1 fails NO_SHARD (or one rank) + peft LoRA + tied embeddings (plain torch
     FSDP too): estimate says so; the search does not propose it; untied models run (verified)."""
     import vramplan
-    from vramplan.run.distributed import tiny_model
+    from vramplan.run.tiny import tiny_model
 
     tied, untied = tiny_model(), tiny_model(base="meta-llama/Llama-3.1-8B")
     assert tied.tie_word_embeddings and not untied.tie_word_embeddings
@@ -230,8 +230,8 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
 
 
 pytest.importorskip("torch")
-from vramplan.run.distributed import TINY_SEQ
 from vramplan.run.fsdp import UNVERIFIED, compare_setups
+from vramplan.run.tiny import TINY_SEQ
 
 N2 = [{"fsdp": "full_shard"}, {"fsdp": "shard_grad_op"}, {"fsdp": "no_shard"},
       {"fsdp": "full_shard", "offload_params": "cpu"}, {"fsdp": "full_shard", "method": "lora"},

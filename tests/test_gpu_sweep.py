@@ -210,7 +210,7 @@ def test_bad_budget_durations(text):
 
 
 def test_nvml_device_follows_cuda_visible_devices():
-    from vramplan.run.worker import nvml_device_ref
+    from vramplan.run.device_memory import nvml_device_ref
 
     assert nvml_device_ref(0, {}) == ("index", 0)
     assert nvml_device_ref(1, {"CUDA_VISIBLE_DEVICES": ""}) == ("index", 1)
@@ -223,7 +223,7 @@ def test_nvml_device_follows_cuda_visible_devices():
 
 def test_emulation_fraction():
     from vramplan.profiles import load_gpu
-    from vramplan.run.worker import emulation_fraction
+    from vramplan.run.device_memory import emulation_fraction
 
     total, context = 150_754_820_096, 520 * 2**20
     usable = load_gpu("rtx-4090").usable_memory_bytes
@@ -269,7 +269,7 @@ class FakeNvml:
 def test_device_memory_from_nvml():
     import os
 
-    from vramplan.run.worker import DeviceMemory
+    from vramplan.run.device_memory import DeviceMemory
 
     nvml = FakeNvml([100, 900, 500, 500, 700], processes=[SimpleNamespace(pid=1, usedGpuMemory=7),
                                                            SimpleNamespace(pid=os.getpid(), usedGpuMemory=600)])
@@ -287,7 +287,7 @@ def test_device_memory_without_nvml_falls_back_to_cuda(nvml):
     """No nvidia-ml-py (or no NVML library): cudaMemGetInfo, which needs CUDA initialised first;
     here (torch without CUDA) it has nothing to say, and the run still gets a source to record."""
     pytest.importorskip("torch")
-    from vramplan.run.worker import DeviceMemory
+    from vramplan.run.device_memory import DeviceMemory
 
     dm = DeviceMemory(0, nvml=nvml)
     assert dm.source == "cudaMemGetInfo" and dm.process_bytes() is None
@@ -300,7 +300,7 @@ def test_device_memory_without_nvml_falls_back_to_cuda(nvml):
 def test_device_memory_with_the_real_nvidia_ml_py_and_no_driver():
     """The real pynvml on a machine without an NVIDIA driver: nvmlInit fails, the worker falls back."""
     pytest.importorskip("pynvml")
-    from vramplan.run.worker import DeviceMemory
+    from vramplan.run.device_memory import DeviceMemory
 
     if shutil.which("nvidia-smi"):
         pytest.skip("an NVIDIA driver is here")
@@ -314,7 +314,7 @@ def test_cuda_result_assembly_and_record(validate, tmp_path):
     from vramplan import measure as m
     from vramplan.estimator import estimate
     from vramplan.profiles import load_gpu, load_model
-    from vramplan.run.worker import Measure
+    from vramplan.run.callback import Measure
     from vramplan.specs import Plan, Setup
 
     request = {"device": "cuda", "steps": 3, "tokens_per_step": 4096}
@@ -395,7 +395,8 @@ def test_commit_from_the_environment(monkeypatch):
 
 GPU_PROBE = r"""
 import json, torch
-from vramplan.run.worker import DeviceMemory, _is_oom, emulation_fraction
+from vramplan.run.device_memory import DeviceMemory, emulation_fraction
+from vramplan.run.worker import is_oom
 
 GiB = 2**30
 dm = DeviceMemory(0)
@@ -412,7 +413,7 @@ try:
     torch.empty(4 * GiB, dtype=torch.uint8, device="cuda")
     oom = False
 except BaseException as exc:
-    oom = _is_oom(exc)
+    oom = is_oom(exc)
 torch.cuda.synchronize()
 print(json.dumps({"source": dm.source, "error": dm.error, "context": context, "fraction": fraction,
                   "oom": oom, "used": (dm.used_bytes() or 0) - (before or 0), "process": dm.process_bytes(),

@@ -47,6 +47,40 @@ def test_cli_paths_do_not_import_torch(args):
     )
 
 
+#: Third-party top-level packages each torch-free command may load (an allow-list, as click's own
+#: tests/test_imports.py keeps): anything else creeping onto these paths (numpy, yaml, jsonschema,
+#: torch...) fails here. Packages already loaded when the interpreter starts (site hooks) are not counted.
+ALLOWED = {
+    ("estimate", "llama-3.1-8b", "--gpu", "rtx-4090", "--json"): {"click"},
+    ("estimate", "llama-3.1-8b", "--gpu", "rtx-4090"): {"click", "rich"},
+    ("estimate", "qwen3-30b-a3b", "--method", "qlora", "--checkpointing", "--json"): {"click"},
+    ("plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--json"): {"click"},
+    ("plan", "llama-3.1-8b", "--gpu", "rtx-4090"): {"click", "rich"},
+    ("models", "--json"): {"click"},
+    ("gpus", "--json"): {"click"},
+}
+
+
+@pytest.mark.parametrize("args", sorted(ALLOWED), ids=lambda a: " ".join(a))
+def test_cli_paths_import_only_the_allow_list(args):
+    out = run_python(
+        f"""
+        import sys
+        def third_party():
+            return {{m.split(".")[0] for m in sys.modules}} - set(sys.stdlib_module_names)
+        before = third_party()
+        from click.testing import CliRunner
+        from vramplan.cli import main
+        result = CliRunner().invoke(main, {list(args)!r})
+        assert result.exit_code == 0, result.output
+        print(sorted(m for m in third_party() - before if not m.startswith("_") and m != "vramplan"))
+        """
+    )
+    loaded = set(eval(out.stdout.strip().splitlines()[-1]))
+    assert loaded <= ALLOWED[args] | {"click"}, f"not on the allow-list: {sorted(loaded - ALLOWED[args])}"
+    assert "click" in loaded  # the snapshot is taken before the CLI loads: the diff sees real imports
+
+
 def test_check_command_and_pytest_plugin_do_not_import_torch(tmp_path):
     spec = tmp_path / "checks.yaml"
     spec.write_text("checks:\n  - {name: a, model: llama-3.1-8b, gpu: rtx-4090, setup: {method: qlora, checkpointing: true}}\n")

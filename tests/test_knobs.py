@@ -2,7 +2,7 @@
 
 bitsandbytes' layers and optimizers run for real on this CPU (vramplan.run.cpu_truth); torch's and
 transformers' optimizers, autocast, accumulation and the chunked loss run on fake tensors
-(vramplan.tracer). Models are narrow two-layer copies of shipped profiles, so each test takes
+(vramplan.run.tracer). Models are narrow two-layer copies of shipped profiles, so each test takes
 about a second. The full matrix is `vramplan validate` (benchmarks/accuracy.py --validate).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from vramplan.architecture import model_spec_from_config
+from vramplan.architecture import model_spec_from_config, with_layers
 from vramplan.estimator import estimate, optimizer_state_bytes
 from vramplan.profiles import load_model
 from vramplan.specs import Setup
@@ -107,9 +107,9 @@ def test_paged_states_leave_the_tensor_peak_but_not_the_device(llama):
                          ids=["adafactor", "fused", "bf16-mixed", "lora-fp16-mixed", "accum", "chunked", "lora-chunked"])
 def test_traced_knobs_within_2_percent(setup):
     """Real widths (Llama-3.2-1B, two layers, tied embeddings): every phase within 2 %."""
-    from vramplan.tracer import trace
+    from vramplan.run.tracer import trace
 
-    model = load_model("llama-3.2-1b").with_layers(2)
+    model = with_layers(load_model("llama-3.2-1b"), 2)
     t, e = trace(model, setup), estimate(model, setup)
     for phase, truth in t.phase_peaks_bytes.items():
         assert abs(e.phase_peaks_bytes[phase] / truth - 1) <= 0.02, (phase, e.phase_peaks_bytes, t.phase_peaks_bytes)
@@ -118,9 +118,9 @@ def test_traced_knobs_within_2_percent(setup):
 def test_padding_mask_reaches_sdpa_and_the_estimate_follows():
     """A padded batch gives every SDPA call a boolean mask (kept for backward, K/V repeated to
     all heads); the traced forward grows by exactly that and the estimate follows it."""
-    from vramplan.tracer import trace
+    from vramplan.run.tracer import trace
 
-    model = load_model("qwen2.5-7b").with_layers(2)
+    model = with_layers(load_model("qwen2.5-7b"), 2)
     plain, padded = Setup(seq=1024), Setup(seq=1024, pad_mask=True)
     t0, t1 = trace(model, plain), trace(model, padded)
     e0, e1 = estimate(model, plain), estimate(model, padded)
@@ -136,10 +136,10 @@ def test_chunked_loss_is_the_same_loss_as_transformers():
     from vramplan.run.chunked_loss import patch_chunked_loss
 
     cfg = shrink_config(load_model("llama-3.2-1b").config, layers=1, hidden=64, heads=4, vocab=300)
-    from vramplan.tracer import _hf_config
+    from vramplan.run.models import hf_config
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_hf_config(cfg, None), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg, None), dtype=torch.float32)
     ids = torch.randint(0, 300, (2, 40))
     ref = model(input_ids=ids, labels=ids).loss
     ref.backward()
@@ -158,7 +158,7 @@ def test_chunked_loss_is_the_same_loss_as_transformers():
 
 
 def test_bitsandbytes_optimizers_are_not_traced():
-    from vramplan.tracer import NotTraceable, trace
+    from vramplan.run.tracer import NotTraceable, trace
 
     with pytest.raises(NotTraceable, match="real run"):
-        trace(load_model("llama-3.2-1b").with_layers(2), Setup(optimizer="adamw-8bit", seq=32))
+        trace(with_layers(load_model("llama-3.2-1b"), 2), Setup(optimizer="adamw-8bit", seq=32))

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import vramplan
 from vramplan import Setup, estimate, load_gpu, load_model
+from vramplan.architecture import with_layers
 from vramplan.cli import main
 from vramplan.planfile import load_plan
 from vramplan.search import DEFAULT_ERROR_BAND, SPEED_TOLERANCE, batch_shape, quality
@@ -35,7 +36,7 @@ def assert_really_fits(plan: Plan, model=None) -> None:
     bd = estimate(spec, plan.setup, plan.gpu)
     assert bd.device_total_bytes == plan.breakdown.device_total_bytes
     assert bd.fits
-    if not any(n.startswith("tight") for n in plan.notes):
+    if not plan.tight:
         assert bd.device_total_bytes * (1 + DEFAULT_ERROR_BAND) <= plan.gpu.usable_memory_bytes
     for alt in plan.alternatives:
         alt_bd = estimate(spec, alt.setup, plan.gpu)
@@ -96,15 +97,15 @@ def test_70b_on_one_24gb_card_is_qlora_with_offload_or_says_what_would():
         assert any("host RAM" in n for n in plan.notes)
         assert_really_fits(plan)
     else:
-        assert any(n.startswith(("with ", "on ")) for n in plan.notes)
+        assert any(n.kind == "what_would_fit" for n in plan.notes)
 
 
 def test_nothing_fits_says_what_would_with_numbers():
     plan = vramplan.plan("llama-3.1-8b", GpuSpec.custom(3 * GiB), host_ram="16GiB")
     assert plan.fits is False
     assert plan.breakdown.device_total_bytes > 3 * GiB
-    assert plan.notes[0].startswith("does not fit: the smallest setup")
-    would = [n for n in plan.notes if n.startswith(("with ", "on "))]
+    assert plan.notes[0].kind == "no_fit" and plan.notes[0].startswith("does not fit: the smallest setup")
+    would = [n for n in plan.notes if n.kind == "what_would_fit"]
     assert would, plan.notes
     for note in would:
         assert re.search(r"\d+\.\d GiB, ~[\d,]+ tokens/s", note), note
@@ -120,7 +121,7 @@ def test_tight_plans_say_so():
     need = estimate(load_model("llama-3.2-1b"), Setup(**fixed), None).device_total_bytes
     plan = vramplan.plan("llama-3.2-1b", GpuSpec.custom(int(need * 1.02)), **fixed)
     assert plan.fits
-    assert any(n.startswith("tight") for n in plan.notes), plan.notes
+    assert plan.tight and any(n.startswith("tight") for n in plan.notes), plan.notes
 
 
 def test_every_plan_fits_in_a_fresh_estimate():
@@ -136,15 +137,57 @@ def test_every_plan_fits_in_a_fresh_estimate():
 def test_chosen_plan_fits_the_tracer_too():
     """The truncated model's chosen plan, traced on fake tensors, also fits the card."""
     pytest.importorskip("torch")
-    from vramplan.tracer import trace
+    from vramplan.run.tracer import trace
 
-    model = load_model("smollm2-135m").with_layers(2)
+    model = with_layers(load_model("smollm2-135m"), 2)
     gpu = GpuSpec.custom(int(1.2 * GiB))
     plan = vramplan.plan(model, gpu, seq=256, global_batch=16, quant="none", zero_stage=0, optimizer="adamw-fused",
                          attn="auto")
     assert plan.fits and plan.setup.batch >= 2  # the search had to choose the micro-batch
     traced = trace(model, plan.setup, gpu)
     assert traced.fits, (traced.device_total_bytes / GiB, gpu.usable_memory_bytes / GiB)
+
+
+# ----------------------------------------------------------------------------------------------
+# typed verdicts: code branches on kinds, the words are rendered from them
+
+
+def test_misfits_are_typed_and_rendered_in_one_place():
+    from vramplan.search import Misfit, misfit_text
+
+    assert misfit_text(Misfit("gpu", 9.8 * GiB, 4.3 * GiB)) == "needs 9.8 GiB > 4.3 GiB usable"
+    assert misfit_text(Misfit("error_band", 4.2 * GiB, 4.3 * GiB, band=0.05)) == \
+        "needs 4.2 GiB of 4.3 GiB usable, inside the ±5% error band"
+    assert misfit_text(Misfit("host_ram", 1314.2 * GiB, 54.4 * GiB)) == \
+        "offload needs 1314.2 GiB of host RAM > 54.4 GiB available"
+    assert misfit_text(Misfit("lower_rank", rank=16)) == "does not fit (rank 16 already fails)"
+    assert Misfit("gpu").on_gpu and not Misfit("host_ram").on_gpu
+
+
+def test_notes_and_why_not_lines_carry_their_kind():
+    from vramplan.specs import Note, Rejected
+
+    plan = vramplan.plan("llama-3.1-8b", "rtx-4090")
+    assert all(isinstance(n, Note) for n in plan.notes)
+    assert [n.kind for n in plan.notes][-1] in ("speed_model", "estimate") and not plan.tight
+    assert {r.kind for r in plan.rejected} <= {"too_big", "too_slow", "faster_setting"}
+    assert any(r.kind == "faster_setting" for r in plan.rejected)
+    # equality is the verdict's: the kind is not part of it (plan files keep the text only)
+    r = plan.rejected[0]
+    assert Rejected(r.setup, r.reason, r.device_total_bytes) == r
+    # plain strings become notes of kind "text" (what a plan file reads back)
+    again = Plan(model=plan.model, setup=plan.setup, breakdown=plan.breakdown, notes=("tight: said in words",))
+    assert again.notes[0].kind == "text" and not again.tight
+
+
+def test_a_plan_that_does_not_fit_types_its_notes():
+    plan = vramplan.plan("llama-3.1-70b", "rtx-4090", method="full", host_ram="64GiB")
+    kinds = [n.kind for n in plan.notes]
+    assert plan.fits is False and kinds[:2] == ["no_fit", "gpu_only"]
+    assert set(kinds[2:]) == {"what_would_fit"}, plan.notes
+    r = run("plan", "llama-3.1-70b", "--gpu", "rtx-4090", "--method", "full", "--host-ram", "64GiB")
+    arrows = [line for line in r.stdout.splitlines() if line.lstrip().startswith("→")]
+    assert r.exit_code == 0 and len(arrows) == len(kinds) - 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,12 +201,12 @@ def test_more_memory_never_makes_a_plan_slower(small, extra, model):
     fixed = {"method": "lora", "lora_rank": 16}
     less = vramplan.plan(model, GpuSpec.custom(small * GiB), global_batch=16, relax=False, **fixed)
     more = vramplan.plan(model, GpuSpec.custom((small + extra) * GiB), global_batch=16, relax=False, **fixed)
-    if less.fits and not any(n.startswith("tight") for n in less.notes):
+    if less.fits and not less.tight:
         # a fixed method: the fastest setup of that method, so never slower with more memory
         assert more.fits and more.tokens_per_s >= less.tokens_per_s * 0.999
     free_less = vramplan.plan(model, GpuSpec.custom(small * GiB), global_batch=16, relax=False)
     free_more = vramplan.plan(model, GpuSpec.custom((small + extra) * GiB), global_batch=16, relax=False)
-    if free_less.fits and not any(n.startswith("tight") for n in free_less.notes):
+    if free_less.fits and not free_less.tight:
         # free method: the fastest plan on offer never gets slower, and the chosen one stays within the
         # stated tolerance of it (quality may trade up to SPEED_TOLERANCE of the hardware rate)
         def best(p: Plan) -> float:

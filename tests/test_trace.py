@@ -2,9 +2,10 @@
 
 import pytest
 
+from vramplan.architecture import with_layers
 from vramplan.profiles import load_model
+from vramplan.run.tracer import NotTraceable, trace, trace_numbers
 from vramplan.specs import Setup, SpecError
-from vramplan.tracer import NotTraceable, trace, trace_numbers
 
 pytest.importorskip("torch")
 
@@ -15,7 +16,7 @@ pytest.importorskip("torch")
 def test_extrapolation_equals_full_depth_trace(name, seq, setup):
     """Six layers traced whole and traced at two depths (per layer type for Gemma3, whose sixth
     layer is full attention and whose sliding layers are masked at seq 512) agree exactly."""
-    model = load_model(name).with_layers(6)
+    model = with_layers(load_model(name), 6)
     setup = setup.replace(seq=seq)
     whole = trace(model, setup, full_depth_max=6)
     extrapolated = trace(model, setup, full_depth_max=4)
@@ -26,7 +27,7 @@ def test_extrapolation_equals_full_depth_trace(name, seq, setup):
 
 
 def test_weights_states_and_logits_are_counted_exactly():
-    model = load_model("llama-3.2-1b").with_layers(2)
+    model = with_layers(load_model("llama-3.2-1b"), 2)
     setup = Setup(seq=128)
     nums = trace_numbers(model.config, setup)
     opt = nums.phase("optimizer").categories
@@ -45,7 +46,7 @@ def test_lora_trainable_count_matches_peft(name, targets):
     """peft's own count, MoE conversions (ParamWrapper on fused experts and routers) included."""
     from vramplan.estimator import lora_params
 
-    model = load_model(name).with_layers(2)
+    model = with_layers(load_model(name), 2)
     if targets != "all-linear" and model.linear("q_proj") is None:
         targets = "c_attn" if model.family == "gpt2" else "q_b_proj,kv_b_proj"
     setup = Setup(method="lora", lora_rank=8, seq=64, lora_targets=targets)
@@ -54,7 +55,7 @@ def test_lora_trainable_count_matches_peft(name, targets):
 
 def test_setups_peft_would_refuse_are_one_line_errors():
     with pytest.raises(SpecError, match="matches no Linear"):
-        trace(load_model("gpt2").with_layers(2), Setup(method="lora", lora_targets="q_proj", seq=32))
+        trace(with_layers(load_model("gpt2"), 2), Setup(method="lora", lora_targets="q_proj", seq=32))
 
 
 def test_quantized_setups_are_refused_with_a_reason():

@@ -27,7 +27,7 @@ import pytest
 
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.emit import emit_to_dir
-from vramplan.run import release_deepspeed_shm
+from vramplan.run import free_port, release_deepspeed_shm
 from vramplan.specs import Plan
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -90,7 +90,7 @@ def run_emitted(folder: Path, which: int = 0) -> dict:
     if cmd[0] == "python":
         cmd[0] = sys.executable
     elif cmd[0] == "deepspeed" and not _port_free(29500):
-        cmd[1:1] = ["--master_port", str(_free_port())]  # another process holds the launcher's default port
+        cmd[1:1] = ["--master_port", str(free_port())]  # another process holds the launcher's default port
     cmd += ["--cpu", "--max-steps", "2", "--memory-report", "memory.json"]
     port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else 29500  # both launchers' default
     try:
@@ -100,12 +100,6 @@ def run_emitted(folder: Path, which: int = 0) -> dict:
     assert out.returncode == 0, f"{shlex.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     single = folder / "memory.json"  # several ranks: one report per rank, memory.rankN.json
     return json.loads((single if single.exists() else folder / "memory.rank0.json").read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_report(report: dict, plan: Plan) -> None:

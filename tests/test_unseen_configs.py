@@ -15,8 +15,8 @@ from vramplan.accuracy import FAMILY_MODELS
 from vramplan.architecture import model_spec_from_config
 from vramplan.estimator import estimate
 from vramplan.profiles import load_model
+from vramplan.run.tracer import trace
 from vramplan.specs import Setup
-from vramplan.tracer import trace
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")

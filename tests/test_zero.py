@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO: the per-rank estimate against the real engine run with N processes.
 
-The truth (vramplan/run/distributed.py) launches N CPU processes (DeepSpeed's CPU accelerator,
-gloo) on a tiny Llama with random weights, runs the canonical step twice and counts each rank's
+The truth (vramplan/run/distributed.py; its ranks run vramplan/run/zero_worker.py) launches N CPU
+processes (DeepSpeed's CPU accelerator, gloo) on a tiny Llama with random weights, runs the canonical step twice and counts each rank's
 live tensors, the offloaded (host) ones apart. One launch per world size runs every setup, so the
 whole module costs four launches (two on the tiny Llama, one on a tiny Qwen3-MoE, one on a tiny
 Mixtral; about 60 s on 2 cores). The 4-rank matrix is in benchmarks/zero_accuracy.py.
@@ -18,15 +18,8 @@ from vramplan.specs import Setup
 
 pytest.importorskip("deepspeed")
 
-from vramplan.run.distributed import (
-    MOE_BASES,
-    TINY_BASE,
-    TINY_SEQ,
-    compare_setups,
-    ds_config,
-    nvme_available,
-    tiny_model,
-)
+from vramplan.run.distributed import compare_setups, ds_config, nvme_available
+from vramplan.run.tiny import MOE_BASES, TINY_BASE, TINY_SEQ, tiny_model
 
 TOLERANCE = 0.10  # the issue's bar for ZeRO, per rank
 
@@ -203,7 +196,7 @@ def test_stage3_fetches_a_leaf_moe_block_whole_and_holds_it_twice():
     router is persistent) and under LoRA fp32[54272] (every ParamWrapper factor but the router's
     4 x 16 B). Nothing on one rank, at stage 2, or for an MoE family DeepSpeed does not list."""
     from vramplan.estimator.distributed import moe_leaf_fetch
-    from vramplan.run.distributed import tiny_config
+    from vramplan.run.tiny import tiny_config
 
     mixtral = tiny_model(tiny_config(WIDE_MOE), WIDE_MOE)
     assert moe_leaf_fetch(mixtral, Setup(zero_stage=3, gpus=2)) == 2 * 98304
@@ -222,7 +215,7 @@ def test_quantized_base_under_zero_is_16bit_beside_the_packed_weights(llama8b):
     """transformers builds a bitsandbytes model outside zero.Init, so the engine casts every
     floating parameter (prepare_model_for_kbit_training's fp32 norms/embeddings, the adapters) to
     bf16 at every stage; stage 3 partitions the packed 4-bit weights (stored as bf16) too."""
-    from vramplan.estimator.activations import adapter_dtype_bytes, compute_bytes
+    from vramplan.estimator.precision import adapter_dtype_bytes, compute_bytes
 
     for stage in (2, 3):
         s = Setup(method="qlora", zero_stage=stage, gpus=4)

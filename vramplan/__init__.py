@@ -19,30 +19,30 @@ from .search import plan
 from .specs import Breakdown, GpuSpec, ModelSpec, Plan, Setup, SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .tracer import trace
+    from .run.tracer import trace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "estimate",
-    "plan",
-    "trace",
-    "load_model",
-    "load_gpu",
-    "Setup",
-    "ModelSpec",
-    "GpuSpec",
     "Breakdown",
+    "GpuSpec",
+    "ModelSpec",
     "Plan",
+    "Setup",
     "SpecError",
     "__version__",
+    "estimate",
+    "load_gpu",
+    "load_model",
+    "plan",
+    "trace",
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name == "trace":
-        # Importing the submodule binds vramplan.tracer to the module; rebind the function.
-        from .tracer import trace as fn
+        # Cache the function here: the next lookup finds it without this hook.
+        from .run.tracer import trace as fn
 
         globals()["trace"] = fn
         return fn

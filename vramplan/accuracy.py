@@ -65,13 +65,14 @@ class Row:
 def compare(model_name: str, setup: Setup, layers: int | None = 4) -> Row:
     """Trace ``setup`` on the model (truncated to ``layers`` layers, traced at full depth) and
     estimate it; None layers traces the whole model with per-layer extrapolation."""
+    from .architecture import with_layers
     from .estimator import estimate
     from .profiles import load_model
-    from .tracer import trace
+    from .run.tracer import trace
 
     model = load_model(model_name)
     if layers is not None:
-        model = model.with_layers(layers)
+        model = with_layers(model, layers)
     t = trace(model, setup)
     e = estimate(model, setup)
     return Row(model_name, model.family, setup, t.tensor_peak_bytes, e.tensor_peak_bytes, t.phase, e.phase)

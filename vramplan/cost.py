@@ -130,11 +130,6 @@ class StepCost:
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_s
 
-    def terms(self) -> dict[str, float]:
-        return {"compute": self.compute_s, "recompute": self.recompute_s, "dequant": self.dequant_s,
-                "optimizer": self.optimizer_s, "offload": self.offload_s, "comm": self.comm_s,
-                "overhead": self.overhead_s}
-
 
 # ----------------------------------------------------------------------------------------------
 # FLOPs

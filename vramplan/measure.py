@@ -26,20 +26,17 @@ import subprocess
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from .specs import GpuSpec, Plan, Setup, SpecError
+from .versions import library_versions
 
 #: Default directory of measurement records (relative to the working directory).
 RECORDS_DIR = Path("calibration") / "measurements"
 
 #: Record format version.
 RECORD_VERSION = 1
-
-#: Libraries whose versions change what a step allocates.
-LIBRARIES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed", "nvidia-ml-py")
 
 #: Scale-down of a shipped model for CPU runs (:func:`vramplan.run.cpu_truth.shrink_config`).
 DEFAULT_SCALE = {"layers": 2, "hidden": 256, "heads": 8, "vocab": 4096}
@@ -110,16 +107,6 @@ def measurement_key(model: str, setup: Setup, device: str, emulate_gpu: str | No
     ident = {"model": model, "setup": setup.to_dict(), "device": device, "emulate_gpu": emulate_gpu,
              "scale": scale, "hardware": hardware}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def library_versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for name in LIBRARIES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 def vramplan_commit() -> str | None:

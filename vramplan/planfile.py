@@ -29,7 +29,8 @@ import os
 from pathlib import Path
 
 from .fileio import atomic_write_text
-from .specs import Alternative, GpuSpec, Plan, Rejected, Setup, SpecError
+from .inputs import load_structured, resolve_gpu
+from .specs import Alternative, Plan, Rejected, Setup, SpecError
 
 FORMAT_VERSION = 1
 
@@ -54,7 +55,7 @@ def plan_to_json(plan: Plan) -> dict:
         "breakdown": plan.breakdown.to_json(),
         "alternatives": [a.to_json() for a in plan.alternatives],
         "rejected": [r.to_json() for r in plan.rejected],
-        "notes": list(plan.notes),
+        "notes": [str(n) for n in plan.notes],  # Note is a str: plain text for YAML
     }
 
 
@@ -85,23 +86,8 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
 
 def read_plan_data(path: str | os.PathLike) -> dict:
     """The raw mapping of a plan file, checked for shape; errors name the file and the problem."""
-    fmt = _format_for(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such plan file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read plan file ({exc})") from None
-    try:
-        if fmt == "json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        first = " ".join(str(exc).split())
-        raise SpecError(f"{path}: not valid {fmt.upper()} ({first})") from None
+    _format_for(path)  # .json, .yaml or .yml
+    data = load_structured(path, "plan file")
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a plan file holds one mapping, got {type(data).__name__}")
     if data.get("vramplan_plan") != FORMAT_VERSION:
@@ -114,24 +100,6 @@ def read_plan_data(path: str | os.PathLike) -> dict:
     if not isinstance(data["setup"], dict):
         raise SpecError(f"{path}: 'setup' must be a mapping of setup keys")
     return data
-
-
-def _gpu_from_data(entry, path) -> GpuSpec | None:
-    from .profiles import load_gpu
-
-    if entry is None:
-        return None
-    if isinstance(entry, str):
-        return load_gpu(entry)
-    if not isinstance(entry, dict) or "name" not in entry:
-        raise SpecError(f"{path}: 'gpu' must be a GPU name or a mapping with 'name'")
-    name = entry["name"]
-    if str(name).startswith("custom-"):
-        size = entry.get("usable_memory_bytes")
-        if not isinstance(size, int) or size <= 0:
-            raise SpecError(f"{path}: custom GPU needs a positive integer 'usable_memory_bytes'")
-        return GpuSpec.custom(size)
-    return load_gpu(str(name))
 
 
 def _setup_from(data, path, where: str = "setup") -> Setup:
@@ -152,7 +120,10 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
     data = read_plan_data(path)
     setup = _setup_from(data["setup"], path)
-    gpu = _gpu_from_data(data.get("gpu"), path)
+    entry = data.get("gpu")
+    if entry is not None and not isinstance(entry, (str, dict)):  # not a size: plan files name their GPU
+        raise SpecError(f"{path}: 'gpu' must be a GPU name or a mapping with 'name'")
+    gpu = resolve_gpu(entry, where=str(path))
     model = load_model(data["model"])
     nodes = data.get("nodes", 1)
     if not isinstance(nodes, int) or nodes < 1:

@@ -172,8 +172,7 @@ def gpus() -> list[GpuSpec]:
 def load_gpu(name: str) -> GpuSpec:
     by_name, index = _gpu_table()
     key = name.strip().lower().replace(" ", "-").replace("_", "-")
-    if key.startswith("nvidia-"):
-        key = key[len("nvidia-"):]
+    key = key.removeprefix("nvidia-")
     if key in index:
         return by_name[index[key]]
     raise SpecError(f"unknown GPU {name!r}{_close(key, index)} (or pass --gpu-memory 24GiB)")

@@ -51,26 +51,26 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _gpu(gpu: Any):
     """A GpuSpec from a shipped name, a size string (``"24GiB"``), a byte count or a GpuSpec."""
-    from .check import gpu_from_entry
+    from .inputs import resolve_gpu
     from .specs import GpuSpec
 
     if gpu is None or isinstance(gpu, GpuSpec):
         return gpu
     if isinstance(gpu, str) and gpu[:1].isdigit():
-        return gpu_from_entry(None, gpu, "gpu")
+        return resolve_gpu(None, gpu, where="gpu")
     if isinstance(gpu, int):
-        return gpu_from_entry(None, gpu, "gpu")
-    return gpu_from_entry(gpu, None, "gpu")
+        return resolve_gpu(None, gpu, where="gpu")
+    return resolve_gpu(gpu, None, where="gpu")
 
 
 def _components(bd) -> dict[str, int]:
-    from .check import Record
+    from .budget import Record
 
     return Record.of(bd, {}).components
 
 
 def _table(bd) -> str:
-    from .check import HEADLINE
+    from .budget import HEADLINE
 
     rows = [(name, b) for name, b in _components(bd).items()] + [(k, getattr(bd, k)) for k in HEADLINE]
     width = max(len(n) for n, _ in rows)
@@ -88,9 +88,8 @@ class Vram:
 
     def estimate(self, model, setup=None, gpu=None, **setup_keys):
         """The analytic Breakdown of ``setup`` (or ``setup_keys``) on ``model`` and ``gpu``."""
-        from .check import setup_from_mapping
-        from .checks import check
         from .estimator import estimate
+        from .inputs import setup_from_mapping
         from .profiles import load_model
         from .specs import ModelSpec, Setup
 
@@ -101,8 +100,7 @@ class Vram:
             setup = setup_from_mapping({**(setup or {}), **setup_keys}, "setup")
         spec = model if isinstance(model, ModelSpec) else load_model(model)
         gpu = _gpu(gpu) if gpu is not None else self.budget
-        check(spec, setup, gpu)
-        bd = estimate(spec, setup, gpu)
+        bd = estimate(spec, setup, gpu)  # checks the setup against the model and GPU first
         self.estimates.append(bd)
         return bd
 
@@ -121,7 +119,7 @@ class Vram:
     def compare_golden(self, name: str, breakdown, tolerance: float | str = 0.02) -> None:
         """Fail when a headline number of ``breakdown`` moved beyond ``tolerance`` from the golden
         file ``<golden dir>/<name>.json``; ``--vram-update-golden`` writes the file instead."""
-        from .check import (
+        from .budget import (
             HEADLINE,
             Record,
             breakdown_diff_lines,
@@ -155,7 +153,7 @@ class Vram:
 
 def fit_message(bd) -> str:
     """Why a Breakdown does not fit its GPU, with its components."""
-    from .cli import describe
+    from .wording import describe
 
     return (f"{bd.model} ({describe(bd.setup)}) does not fit on {bd.gpu.name}: needs "
             f"{bd.device_total_bytes / 1024**3:,.2f} GiB, {bd.gpu.usable_memory_bytes / 1024**3:,.2f} GiB usable "
@@ -166,7 +164,7 @@ def _budget(item: pytest.Item):
     marker = item.get_closest_marker("vram_budget")
     if marker is None:
         return None
-    from .check import gpu_from_entry
+    from .inputs import resolve_gpu
 
     kwargs = dict(marker.kwargs)
     if marker.args:
@@ -174,7 +172,7 @@ def _budget(item: pytest.Item):
     unknown = sorted(set(kwargs) - {"gpu", "gpu_memory"})
     if unknown:
         pytest.fail(f"vram_budget: unknown argument {unknown[0]!r}; use gpu= or gpu_memory=")
-    gpu = gpu_from_entry(kwargs.get("gpu"), kwargs.get("gpu_memory"), "vram_budget")
+    gpu = resolve_gpu(kwargs.get("gpu"), kwargs.get("gpu_memory"), where="vram_budget")
     if gpu is None:
         pytest.fail("vram_budget needs gpu='rtx-4090' or gpu_memory='24GiB'")
     return gpu

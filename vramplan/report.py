@@ -16,6 +16,7 @@ from pathlib import Path
 from .fileio import atomic_write_text
 from .specs import PHASES, Breakdown, Plan
 from .units import GiB
+from .wording import describe
 
 #: Component -> (rich colour, HTML colour). Unknown components share the last entry's grey.
 COLORS: dict[str, tuple[str, str]] = {
@@ -227,11 +228,9 @@ def _quality(plan: Plan) -> str:
 
 def html_report(plan: Plan, title: str | None = None) -> str:
     """One standalone HTML page describing ``plan`` (no script, no external resource)."""
-    from .cli import describe
-
     bd = plan.breakdown
     gpu = plan.gpu
-    tight = any(n.startswith("tight") for n in plan.notes)
+    tight = plan.tight
     if plan.fits:
         verdict = ("tight" if tight else "fits", "tight" if tight else "fits")
     else:

@@ -1,5 +1,8 @@
 """Frozen dataclasses that flow between the stages: ModelSpec, GpuSpec, Setup, Breakdown.
 
+The model's own classes (ModelSpec, LinearSpec, MoeSpec, FamilyTraits) live in
+``vramplan.modelspec`` and are re-exported here.
+
 Every field carries its unit in its name where it has one (``*_bytes``, ``*_tflops``). Validation
 lives in ``__post_init__`` and raises :class:`SpecError` with a message a user can act on.
 """
@@ -8,9 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, final
 
+from .modelspec import (
+    FamilyTraits,
+    LinearSpec,
+    MlaDims,
+    ModelSpec,
+    MoeSpec,
+    truncate_config,
+)
 from .units import GiB
+
+__all__ = [
+    "ATTENTIONS", "FSDP_MODES", "LOSSES", "METHODS", "OFFLOADS", "OPTIMIZERS", "PHASES", "PRECISIONS",
+    "PREQUANTIZED", "QUANTS", "QUANT_BITS", "QUANT_GROUP_SIZES", "Alternative", "Breakdown", "Component",
+    "FamilyTraits", "GpuSpec", "LinearSpec", "MlaDims", "ModelSpec", "MoeSpec", "Note", "NoteKind", "Plan",
+    "RejectKind", "Rejected", "Setup", "SpecError", "truncate_config",
+]
 
 
 class SpecError(ValueError):
@@ -46,113 +64,6 @@ def _positive(name: str, value: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model
-
-
-@dataclass(frozen=True)
-class LinearSpec:
-    """One Linear-like module, repeated ``count`` times (once per layer for per-layer modules).
-
-    ``name`` is the module's own name (``q_proj``) as peft matches it; ``path`` its path with
-    ``*`` for the layer index (``model.layers.*.self_attn.q_proj``).
-    """
-
-    name: str
-    path: str
-    in_features: int
-    out_features: int
-    bias: bool
-    count: int
-    role: str  # attn | mlp | shared_expert | router | head | other
-
-    @property
-    def weight_params(self) -> int:
-        return self.in_features * self.out_features
-
-    @property
-    def params(self) -> int:
-        return (self.weight_params + (self.out_features if self.bias else 0)) * self.count
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    num_moe_layers: int
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    gated_shared_expert: bool = False  # qwen2_moe: sigmoid gate on the shared expert
-    norm_topk_prob: bool = False
-    moe_layers: tuple[int, ...] = ()  # indices of the MoE layers (the others are dense)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything the estimator needs about a model, derived from its config.json."""
-
-    name: str
-    model_type: str
-    config: dict = field(repr=False, compare=False, hash=False)
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    linears: tuple[LinearSpec, ...]
-    #: Parameters that are not in a Linear: embeddings, norms, experts' 3-D weights, routers.
-    other_params: tuple[tuple[str, int], ...]
-    mlp_kind: str  # gated | plain
-    activation: str  # silu | gelu_tanh | gelu | gelu_new | relu
-    norm_kind: str  # rmsnorm | layernorm | layernorm_nobias
-    default_attn: str  # sdpa | eager
-    moe: MoeSpec | None = None
-    family: str = ""  # the activation recipe used (llama, gemma2, gpt2, ...)
-    fp32_params: int = 0  # parameters the modeling code keeps in fp32 whatever the load dtype
-    source: str = ""  # profile name, path or hub id it was read from
-
-    @property
-    def params_total(self) -> int:
-        return sum(l.params for l in self.linears) + sum(n for _, n in self.other_params)
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def linear(self, name: str) -> LinearSpec | None:
-        for l in self.linears:
-            if l.name == name:
-                return l
-        return None
-
-    def with_layers(self, num_layers: int) -> "ModelSpec":
-        """A truncated copy with ``num_layers`` decoder layers (for tests and tracing)."""
-        from .architecture import model_spec_from_config
-
-        cfg = truncate_config(self.config, num_layers)
-        return model_spec_from_config(cfg, name=f"{self.name}[:{num_layers}]", source=self.source)
-
-
-def truncate_config(config: dict, num_layers: int) -> dict:
-    """Copy of an HF config dict with ``num_layers`` decoder layers, per-layer lists cut to match."""
-    cfg = dict(config)
-    key = "n_layer" if "n_layer" in cfg and "num_hidden_layers" not in cfg else "num_hidden_layers"
-    cfg[key] = num_layers
-    if isinstance(cfg.get("layer_types"), list) and len(cfg["layer_types"]) != num_layers:
-        cfg["layer_types"] = list(cfg["layer_types"][:num_layers])
-    if isinstance(cfg.get("mlp_only_layers"), list):
-        cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
-    return cfg
-
-
-# ----------------------------------------------------------------------------------------------
 # GPU
 
 
@@ -178,7 +89,7 @@ class GpuSpec:
             raise SpecError(f"GPU memory must be positive; got {self.usable_memory_bytes}")
 
     @classmethod
-    def custom(cls, memory_bytes: int) -> "GpuSpec":
+    def custom(cls, memory_bytes: int) -> GpuSpec:
         return cls(name=f"custom-{memory_bytes / GiB:g}gib", display_name=f"custom GPU ({memory_bytes / GiB:.1f} GiB)",
                    usable_memory_bytes=memory_bytes)
 
@@ -313,14 +224,14 @@ class Setup:
         """Tokens in one micro-batch (b * s)."""
         return self.batch * self.seq
 
-    def replace(self, **changes: Any) -> "Setup":
+    def replace(self, **changes: Any) -> Setup:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Setup":
+    def from_dict(cls, data: dict) -> Setup:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -416,13 +327,47 @@ class Breakdown:
 # Plan
 
 
+#: What a plan note says, for code that branches on it (the words are for people):
+#: ``no_fit`` the smallest setup and why it fails; ``gpu_only`` a setup that fits the GPU but not
+#: host RAM; ``what_would_fit`` a relaxed target that fits; ``nothing_would_fit`` none does;
+#: ``tight`` fits only without the error band as margin; ``quality`` chosen over a faster plan;
+#: ``micro_batch`` the largest micro-batch; ``host_ram`` the host RAM offload needs;
+#: ``flash_attn`` needs flash-attn; ``duration`` the run's time; ``speed_model`` how speed is
+#: modelled; ``estimate`` a note of the estimate; ``text`` a note read back from a plan file.
+NoteKind = Literal["no_fit", "gpu_only", "what_would_fit", "nothing_would_fit", "tight", "quality", "micro_batch",
+                   "host_ram", "flash_attn", "duration", "speed_model", "estimate", "text"]
+
+#: What a why-not line says: ``too_big`` a family of higher quality does not fit; ``too_slow`` it
+#: fits, but too slowly for its quality; ``faster_setting`` a faster setting of the chosen family
+#: (other savers, the next micro-batch) does not fit.
+RejectKind = Literal["too_big", "too_slow", "faster_setting"]
+
+
+@final
+class Note(str):
+    """One plan note: the text people read (it is a ``str``), and its :data:`NoteKind` for code.
+
+    Plan files keep the text only, so a note read back from one has kind ``text``."""
+
+    kind: NoteKind
+
+    def __new__(cls, text: str, kind: NoteKind = "text") -> Note:
+        note = super().__new__(cls, text)
+        note.kind = kind
+        return note
+
+
 @dataclass(frozen=True)
 class Rejected:
-    """An option the search turned down, and why (``"full fine-tune: needs 129.3 GiB > 23.6 GiB usable"``)."""
+    """An option the search turned down, and why (``"full fine-tune: needs 129.3 GiB > 23.6 GiB usable"``).
+
+    ``kind`` says what the line is about (None when read back from a plan file, which keeps the
+    text); equality ignores it, the reason already says it."""
 
     setup: Setup
     reason: str
     device_total_bytes: int | None = None
+    kind: RejectKind | None = field(default=None, compare=False)
 
     def to_json(self) -> dict:
         return {"setup": self.setup.to_dict(), "reason": self.reason, "device_total_bytes": self.device_total_bytes}
@@ -462,7 +407,7 @@ class Plan:
     tokens_per_s: float | None = None
     alternatives: tuple[Alternative, ...] = ()
     rejected: tuple[Rejected, ...] = ()
-    notes: tuple[str, ...] = ()
+    notes: tuple[Note, ...] = ()  # plain strings given are kept as Notes of kind "text"
     recorded_estimate: dict | None = None  # the estimate JSON stored in a loaded plan file
 
     def __post_init__(self) -> None:
@@ -470,6 +415,13 @@ class Plan:
             raise SpecError(f"nodes must be a positive integer; got {self.nodes!r}")
         if self.setup.gpus % self.nodes:
             raise SpecError(f"{self.setup.gpus} GPUs cannot be split evenly over {self.nodes} nodes")
+        if not all(isinstance(n, Note) for n in self.notes):
+            object.__setattr__(self, "notes", tuple(n if isinstance(n, Note) else Note(n) for n in self.notes))
+
+    @property
+    def tight(self) -> bool:
+        """It fits only without the estimate's error band as margin (a ``tight`` note says so)."""
+        return any(n.kind == "tight" for n in self.notes)
 
     @property
     def fits(self) -> bool | None:

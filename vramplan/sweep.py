@@ -32,7 +32,6 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from .measure import check_measurable
@@ -148,18 +147,12 @@ def predict_seconds(model, setup: Setup, device: str, steps: int, gpu=None) -> f
 
 def load_matrix(path: str, device: str | None = None) -> Matrix:
     """Read and check a matrix file; every run's setup is validated and estimated (no torch)."""
-    import yaml
-
     from .estimator import estimate
+    from .inputs import loads_yaml, read_text
     from .measure import cuda_hardware
     from .profiles import load_gpu, load_model
 
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such matrix file") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise SpecError(f"{path}: cannot read matrix ({' '.join(str(exc).split())})") from None
+    data = loads_yaml(read_text(path, "matrix file"), str(path))
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
         raise SpecError(f"{path}: a matrix is a mapping with a non-empty 'runs' list")
     device = device or data.get("device", "cuda")
@@ -214,8 +207,6 @@ def _card(hardware: str):
 
 def _scaled_spec(model: str):
     """The ModelSpec of ``model`` scaled down as ``scale_down`` runs are."""
-    import tempfile
-
     from .measure import DEFAULT_SCALE, scaled_model_path
     from .profiles import load_model
 

@@ -99,7 +99,7 @@ _SIZE_MULT = {
 }
 
 
-def parse_bytes(text: str | int | float) -> int:
+def parse_bytes(text: str | float) -> int:
     """Parse ``"24GiB"``, ``"24 GB"``, ``"80g"`` or a plain number of bytes into an int.
 
     Decimal suffixes (GB) are powers of 1000 and binary ones (GiB) powers of 1024, as printed by
@@ -122,3 +122,8 @@ def fmt_bytes(n: float, unit: str = "GiB", digits: int = 2) -> str:
     """Format a byte count in a fixed binary unit (GiB by default)."""
     div = {"GiB": GiB, "MiB": MiB, "KiB": KiB, "B": 1}[unit]
     return f"{n / div:,.{digits}f} {unit}"
+
+
+def gib(n: float) -> str:
+    """A byte count as a bare number of GiB with two decimals, e.g. ``"1.50"`` (no unit)."""
+    return f"{n / GiB:,.2f}"

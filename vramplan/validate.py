@@ -1,7 +1,7 @@
 """The validate matrix: every knob of Setup, estimated and checked against a truth no formula wrote.
 
 Each :class:`Case` names a knob, a shipped model, a Setup and the truth that checks it:
-- ``trace``: the fake-tensor trace of the real transformers/peft/torch step (``vramplan.tracer``)
+- ``trace``: the fake-tensor trace of the real transformers/peft/torch step (``vramplan.run.tracer``)
   on a truncation of the shipped model at its real widths (``layers`` layers; None: the whole
   model, traced at two depths and extrapolated);
 - ``cpu-run``: a real step on this CPU (``vramplan.run.cpu_truth``) of the model narrowed by
@@ -17,7 +17,6 @@ gives, per knob, the median and worst relative error of the tensor peak.
 from __future__ import annotations
 
 import os
-
 import statistics
 from dataclasses import dataclass, field
 
@@ -113,15 +112,15 @@ def matrix(quick: bool = False) -> list[Case]:
 def run_case(case: Case) -> list[Row]:
     """Estimate and truth of one case: the tensor-peak row (and, for a quantized base, the
     weights row: bytes of the loaded base, quantization state included)."""
-    from .architecture import model_spec_from_config
+    from .architecture import model_spec_from_config, with_layers
     from .estimator import estimate
     from .profiles import load_model
 
     model = load_model(case.model)
     if case.truth == "trace":
-        from .tracer import trace
+        from .run.tracer import trace
 
-        spec = model if case.layers is None else model.with_layers(case.layers)
+        spec = model if case.layers is None else with_layers(model, case.layers)
         t = trace(spec, case.setup)
         e = estimate(spec, case.setup)
         rows = [Row(case.model, spec.family, case.setup, t.tensor_peak_bytes, e.tensor_peak_bytes, t.phase, e.phase,
@@ -258,7 +257,7 @@ def summarize(rows: list[Row], quantity: str = "tensor_peak_bytes") -> list[Knob
 
 
 def row_json(row: Row) -> dict:
-    from .cli import describe
+    from .wording import describe
 
     return {
         "knob": row.knob, "model": row.model, "family": row.family, "setup": row.setup.to_dict(),

@@ -1,6 +1,6 @@
 """`vramplan check`: fail CI when a change pushes fine-tuning memory past the budget or the baseline.
 
-The checks, the comparison and the machine-readable outputs live in :mod:`vramplan.check` (pure);
+The checks, the comparison and the machine-readable outputs live in :mod:`vramplan.budget` (pure);
 this module prints them and writes the baseline. Exit codes: 0 every check passed, 1 a regression
 (a ``must_fit`` check over its GPU's usable memory, or a headline number grown beyond the
 tolerance), 2 bad input (one ``error:`` line).
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import click
 
-from ..cli import _user_errors, _warn, main
+from ..units import gib
+from .options import print_json, quiet_libraries, user_errors, warn
 
 
-@main.command()
+@click.command()
 @click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
 @click.option("--baseline", "baseline_path", default="vram-baseline.json", show_default=True, metavar="PATH",
               help="Recorded numbers to compare with (JSON; written by --update).")
@@ -30,7 +31,7 @@ from ..cli import _user_errors, _warn, main
 @click.option("--require-baseline", is_flag=True, help="Fail checks that have no baseline entry.")
 @click.option("--summary", "summary_path", envvar="GITHUB_STEP_SUMMARY", metavar="PATH", show_envvar=True,
               help="With --format github: append the Markdown summary to PATH instead of printing it.")
-@_user_errors
+@user_errors
 def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: str, tier: str, fmt: str,
           as_json: bool, require_baseline: bool, summary_path: str | None) -> None:
     """Check memory of the training setups in SPEC files against GPU budgets and a baseline.
@@ -39,7 +40,7 @@ def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: s
     or a plan file (one check, named after the file). Exit code 0: all passed; 1: a check is over
     its budget or grew beyond the tolerance; 2: bad input.
     """
-    from ..check import (
+    from ..budget import (
         load_specs,
         parse_tolerance,
         read_baseline,
@@ -53,16 +54,14 @@ def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: s
     checks = load_specs(specs)
     baseline = read_baseline(baseline_path)
     if tier == "trace":
-        from ..cli import _quiet_libraries
-
-        _quiet_libraries()
+        quiet_libraries()
     run = run_checks(checks, baseline, tier=tier, tolerance=tol, baseline_path=baseline_path,
                      require_baseline=require_baseline)
     if baseline is None and not update:
-        _warn(f"no baseline at {baseline_path}: every check is new (vramplan check --update records one)")
+        warn(f"no baseline at {baseline_path}: every check is new (vramplan check --update records one)")
     for r in run.results:
         for w in r.warnings:
-            _warn(f"check {r.spec.name!r}: {w}")
+            warn(f"check {r.spec.name!r}: {w}")
     if update:
         write_baseline(baseline_path, updated_records(baseline, run))
     _report(run, fmt, update, summary_path)
@@ -72,11 +71,10 @@ def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: s
 
 
 def _report(run, fmt: str, updated: bool, summary_path: str | None) -> None:
-    from ..check import github_annotations, markdown_summary, run_to_json
-    from ..cli import _print_json
+    from ..budget import github_annotations, markdown_summary, run_to_json
 
     if fmt == "json":
-        _print_json(run_to_json(run, updated=updated))
+        print_json(run_to_json(run, updated=updated))
     elif fmt == "github":
         for line in github_annotations(run, updated=updated):
             click.echo(line)
@@ -100,16 +98,14 @@ def _append(path: str, text: str) -> None:
     atomic_write_text(path, old + ("\n" if old and not old.endswith("\n") else "") + text)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 1024**3:,.2f}"
-
-
 _STYLE = {"over-budget": "bold red", "grew": "bold red", "shrank": "yellow", "new": "cyan", "ok": "green"}
 
 
 def _print_table(run, updated: bool) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from ..budget.compare import NO_BASELINE_NOTE
 
     console = Console(highlight=False)
     table = Table(show_edge=False, pad_edge=False)
@@ -120,8 +116,8 @@ def _print_table(run, updated: bool) -> None:
         bd = r.breakdown
         dt = r.device_total
         table.add_row(
-            r.spec.name, r.spec.gpu.name if r.spec.gpu else "-", _gib(bd.device_total_bytes),
-            _gib(r.spec.gpu.usable_memory_bytes) if r.spec.gpu else "-",
+            r.spec.name, r.spec.gpu.name if r.spec.gpu else "-", gib(bd.device_total_bytes),
+            gib(r.spec.gpu.usable_memory_bytes) if r.spec.gpu else "-",
             f"{dt.relative:+.1%}" if dt is not None and dt.relative is not None else "-",
             f"[{_STYLE[r.status]}]{r.status}{' (recorded)' if updated and r.status == 'grew' else ''}[/]",
         )
@@ -129,7 +125,7 @@ def _print_table(run, updated: bool) -> None:
                   f"baseline {run.baseline_path}{'' if run.baseline_found else ' (none yet)'}")
     console.print(table)
     for r in run.results:
-        if not (r.reasons or r.components or any(not n.startswith("new check: no baseline") for n in r.notes)):
+        if not (r.reasons or r.components or any(n != NO_BASELINE_NOTE for n in r.notes)):
             continue
         console.print(f"\n[{_STYLE[r.status]}]{r.spec.name}[/]: {r.status}"
                       f"{' (recorded by --update)' if updated and r.status == 'grew' else ''}")
@@ -142,8 +138,8 @@ def _print_table(run, updated: bool) -> None:
             moved = [d for d in r.numbers if d.delta_bytes] + list(r.components)
             for d in moved:
                 rel = f"{d.relative:+.1%}" if d.relative is not None else "new"
-                diff.add_row(d.name, _gib(d.baseline_bytes), _gib(d.current_bytes),
-                             f"{'+' if d.delta_bytes >= 0 else '-'}{_gib(abs(d.delta_bytes))}", rel)
+                diff.add_row(d.name, gib(d.baseline_bytes), gib(d.current_bytes),
+                             f"{'+' if d.delta_bytes >= 0 else '-'}{gib(abs(d.delta_bytes))}", rel)
             if moved:
                 console.print(diff)
     if run.drift:

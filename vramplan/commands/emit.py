@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import click
 
-from ..cli import _user_errors, main
+from .options import user_errors
 
 
-@main.command()
+@click.command()
 @click.argument("plan_file", metavar="PLAN")
 @click.option("--format", "formats", default=None, metavar="LIST",
               help="Comma-separated: deepspeed, accelerate, trainer  [default: all the plan uses; "
                    "deepspeed only with ZeRO]")
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="Directory to write (created; must be empty).")
 @click.option("--force", is_flag=True, help="Overwrite the files in an existing, non-empty DIR.")
-@_user_errors
+@user_errors
 def emit(plan_file: str, formats: str | None, out_dir: str, force: bool) -> None:
     """Write ready-to-run files for the plan in PLAN (a plan file from `vramplan plan`).
 

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import click
 
-from ..cli import (
-    _FLAG,
-    _SETUP_FIELDS,
-    _gpu_from,
-    _print_json,
-    _user_errors,
-    _warn,
-    describe,
-    gpu_options,
-    main,
-    setup_options,
-)
 from ..specs import SpecError
+from ..wording import describe
+from .options import (
+    FLAG,
+    SETUP_FIELDS,
+    given_fields,
+    gpu_options,
+    print_json,
+    setup_options,
+    user_errors,
+    warn,
+)
 
 
 def _gib(n: int | None) -> str:
@@ -47,9 +46,7 @@ def _is_plan_file(target: str) -> bool:
 
 
 def _given_setup_flags() -> list[str]:
-    ctx = click.get_current_context()
-    return [_FLAG.get(k, k) for k in _SETUP_FIELDS
-            if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE]
+    return [FLAG[k] for k in given_fields(SETUP_FIELDS)]
 
 
 def _parse_size(text: str | None, flag: str) -> int | None:
@@ -121,7 +118,7 @@ def print_measurement(m) -> None:
         console.print(f"step {meas['step_time_s']:.3f} s, {meas['tokens_per_s']:.0f} tokens/s")
 
 
-@main.command()
+@click.command()
 @click.argument("target", metavar="PLAN|MODEL")
 @setup_options
 @gpu_options
@@ -141,7 +138,7 @@ def print_measurement(m) -> None:
 @click.option("--keep", "keep_dir", default=None, type=click.Path(file_okay=False),
               help="Keep the emitted files and the worker's logs in this directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as one JSON object.")
-@_user_errors
+@user_errors
 def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, emulate_gpu: str | None,
             cpu_memory_cap: str | None, scale_down: bool, timeout_s: float, record: bool, records_dir: str,
             keep_dir: str | None, as_json: bool) -> None:
@@ -156,6 +153,7 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
 
     from .. import measure as m
     from ..estimator import estimate
+    from ..inputs import resolve_gpu
     from ..planfile import load_plan
     from ..profiles import load_gpu, load_model
     from ..specs import Plan
@@ -164,7 +162,7 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
         device=device, steps=steps, timeout_s=timeout_s,
         emulate_gpu=load_gpu(emulate_gpu) if emulate_gpu else None,
         cpu_memory_cap_bytes=_parse_size(cpu_memory_cap, "--cpu-memory-cap"), keep_dir=keep_dir)
-    gpu = _gpu_from(gpu_name, gpu_memory)
+    gpu = resolve_gpu(gpu_name, gpu_memory)
     if _is_plan_file(target):
         if _given_setup_flags():
             raise SpecError(f"{', '.join(sorted(_given_setup_flags()))}: a plan file fixes its setup; "
@@ -190,17 +188,17 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
         result = m.measure_plan(plan, options, model_ref=model_ref, scale=scale)
     path = m.save(result, records_dir) if record else None
     if as_json:
-        _print_json({**result.to_json(), "comparison": m.comparison(result)})
+        print_json({**result.to_json(), "comparison": m.comparison(result)})
     else:
         print_measurement(result)
         if path is not None:
             click.echo(f"recorded in {path}")
     if result.measured.get("failed"):
-        _warn(f"measurement failed: {result.measured.get('error')}")
+        warn(f"measurement failed: {result.measured.get('error')}")
         raise SystemExit(1)
 
 
-@main.command()
+@click.command()
 @click.argument("matrix", type=click.Path(dir_okay=False))
 @click.option("--budget", default="8m", show_default=True, help="Time budget: 90s, 8m, 1h.")
 @click.option("--records", "records_dir", default="calibration/measurements", show_default=True,
@@ -211,7 +209,7 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
 @click.option("--skip-unavailable", is_flag=True,
               help="Leave out the runs whose libraries (bitsandbytes, deepspeed, ...) are not installed, instead of stopping.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the runs.")
-@_user_errors
+@user_errors
 def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_run: bool, skip_unavailable: bool,
           as_json: bool) -> None:
     """Measure every setup of MATRIX (YAML), most informative first, within --budget.
@@ -232,7 +230,7 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
                  **({k: v for k, v in times[r.name].items() if k != "name"} if r.name in times else {})}
                 for r in runs]
         if as_json:
-            _print_json(rows)
+            print_json(rows)
         else:
             where = spec.hardware or "an H200 (no GPU here)"
             click.echo(f"{'':4}  {'run':<40} {'predicted':>9} {'cumulative':>10}   (seconds on {where})")
@@ -250,7 +248,7 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
     if skip_unavailable:
         unavailable = [r.name for r in todo if _missing_libraries([r.setup])]
         if unavailable:
-            _warn(f"left out, their libraries are not installed: {', '.join(unavailable)}")
+            warn(f"left out, their libraries are not installed: {', '.join(unavailable)}")
         todo = [r for r in todo if r.name not in unavailable]
     _require_run_extra([r.setup for r in todo])
     recorded = len(runs) - len(todo) - len(unavailable)
@@ -259,14 +257,14 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
     if skip_unavailable:
         summary["skipped_unavailable"] = unavailable
     if as_json:
-        _print_json(summary)
+        print_json(summary)
     else:
         click.echo(f"{summary['measured']} measured ({summary['oom']} OOM, {summary['failed']} failed), "
                    f"{summary['skipped_recorded']} already recorded, {summary['left']} left for the next sweep "
                    f"in {summary['seconds']:.0f} s")
 
 
-@main.command()
+@click.command()
 @click.option("--records", "records_dir", default="calibration/measurements", show_default=True,
               type=click.Path(file_okay=False), help="Directory of the .jsonl records.")
 @click.option("--out", "out_path", default="calibration/coefficients.json", show_default=True,
@@ -274,7 +272,7 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
 @click.option("--tolerance", type=float, default=0.03, show_default=True,
               help="Flag a component whose correction factor strays from 1 by more than this.")
 @click.option("--json", "as_json", is_flag=True, help="Print the coefficients as JSON.")
-@_user_errors
+@user_errors
 def calibrate(records_dir: str, out_path: str, tolerance: float, as_json: bool) -> None:
     """Fit the device corrections (CUDA context, workspace, allocator slack) from measurements."""
     from .. import calibrate as cal
@@ -284,10 +282,10 @@ def calibrate(records_dir: str, out_path: str, tolerance: float, as_json: bool) 
     result = cal.fit(records, tolerance=tolerance)
     path = cal.write(result, out_path)
     if as_json:
-        _print_json(result)
+        print_json(result)
         return
     for line in cal.summary_lines(result):
         click.echo(line)
     for flag in result["flags"]:
-        _warn(flag)
+        warn(flag)
     click.echo(f"written to {path}")

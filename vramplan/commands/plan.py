@@ -1,7 +1,8 @@
 """`vramplan plan`: the fastest setup that fits a target, the trade-offs, and why the others fail.
 
 Every setup option is a *fixed knob* when given and a *free knob* (searched) when not, so the
-options here default to None instead of the canonical step's values that ``setup_options`` uses.
+options here default to None instead of the canonical step's values that ``setup_options`` uses
+(the same option table, :data:`vramplan.commands.options.SETUP_OPTIONS`, with plan's own help).
 The search is :func:`vramplan.search.plan`; this module parses, prints and writes files. No torch.
 """
 
@@ -12,11 +13,20 @@ from typing import Any
 
 import click
 
-from ..cli import _FLAG, _gpu_from, _print_json, _user_errors, _warn, describe, gpu_options, main
-from ..specs import ATTENTIONS, FSDP_MODES, LOSSES, METHODS, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SpecError
+from ..specs import SpecError
+from ..wording import describe
+from .options import (
+    FLAG,
+    gpu_options,
+    knob_options,
+    print_json,
+    setting_option,
+    user_errors,
+    warn_lora_unused,
+)
 
 #: Plan keyword -> the flag a user typed, for error messages.
-_PLAN_FLAG = {**_FLAG, "global_batch": "--global-batch", "tokens_per_step": "--tokens-per-step",
+_PLAN_FLAG = {**FLAG, "global_batch": "--global-batch", "tokens_per_step": "--tokens-per-step",
               "dataset_tokens": "--dataset-tokens", "nodes": "--nodes", "host_ram": "--host-ram"}
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmbgt]?)\s*$", re.IGNORECASE)
@@ -42,47 +52,53 @@ def _flagged(message: str) -> str:
     return _PLAN_FLAG[field] + message[len(field):] if field in _PLAN_FLAG else message
 
 
-_choice = click.Choice
+#: The setup options plan takes as knobs, in --help order (--no-quant between the two groups), and
+#: their help: a knob given is fixed, one left out is searched (or takes the default named).
+_KNOBS = {
+    "method": "Fix the method  [default: searched]",
+    "lora_rank": "Fix the LoRA rank  [default: searched over 8-256]",
+    "lora_alpha": "LoRA alpha  [default: 2 x rank]",
+    "lora_dropout": "LoRA dropout  [default: 0.0]",
+    "lora_targets": "'all-linear' or comma-separated module names.",
+    "quant": "Fix the base quantization  [default: searched]",
+}
+_MORE_KNOBS = {
+    "double_quant": "4-bit scales quantized too  [default: yes]",
+    "quant_bits": "GPTQ/AWQ bits per weight  [default: 4]",
+    "quant_group_size": "GPTQ/AWQ input channels per group, -1 per channel  [default: 128]",
+    "precision": "[default: bf16, or fp16 on cards without bf16]",
+    "optimizer": "[default: searched: adamw-fused or adamw-8bit]",
+    "checkpointing": "[default: searched]",
+    "attn": "[default: searched]",
+    "zero_stage": "Fix the ZeRO stage  [default: searched]",
+    "offload_optimizer": "[default: searched]",
+    "offload_params": "[default: searched]",
+    "fsdp": "Fix PyTorch FSDP sharding instead of ZeRO (none: no FSDP)  [default: searched on several GPUs]",
+    "loss": "[default: hf]",
+    "batch": "Fix the micro-batch per GPU  [default: searched]",
+    "grad_accum": "Fix the gradient accumulation  [default: from the global batch]",
+}
 
 
-@main.command()
+@click.command()
 @click.argument("model")
 @gpu_options
-@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs in all (data parallel).")
+@setting_option("gpus", "GPUs in all (data parallel).")
 @click.option("--nodes", type=int, default=1, show_default=True, help="Machines the GPUs are split over evenly.")
 @click.option("--host-ram", metavar="SIZE", help="Host RAM per node for CPU offload, e.g. 128GiB  [default: not checked]")
 @click.option("--nvme", is_flag=True, help="Allow DeepSpeed NVMe offload (ZeRO-Infinity).")
-@click.option("--seq", type=int, default=2048, show_default=True, help="Sequence length in tokens.")
+@setting_option("seq")
 @click.option("--global-batch", metavar="N", help="Sequences per optimizer step over all GPUs  [default: free]")
 @click.option("--tokens-per-step", metavar="N", help="Tokens per optimizer step (e.g. 1M); sets the global batch.")
 @click.option("--dataset-tokens", metavar="N", help="Training tokens (e.g. 500M) to estimate the run's time.")
-@click.option("--method", type=_choice(METHODS), help="Fix the method  [default: searched]")
-@click.option("--lora-rank", type=int, help="Fix the LoRA rank  [default: searched over 8-256]")
-@click.option("--lora-alpha", type=int, help="LoRA alpha  [default: 2 x rank]")
-@click.option("--lora-dropout", type=float, help="LoRA dropout  [default: 0.0]")
-@click.option("--lora-targets", help="'all-linear' or comma-separated module names.")
-@click.option("--quant", type=_choice(QUANTS), help="Fix the base quantization  [default: searched]")
+@knob_options(_KNOBS)
 @click.option("--no-quant", is_flag=True, help="Same as --quant none: an unquantized base.")
-@click.option("--double-quant/--no-double-quant", default=None, help="4-bit scales quantized too  [default: yes]")
-@click.option("--quant-bits", type=int, help="GPTQ/AWQ bits per weight  [default: 4]")
-@click.option("--quant-group-size", type=int, help="GPTQ/AWQ input channels per group, -1 per channel  [default: 128]")
-@click.option("--precision", type=_choice(PRECISIONS), help="[default: bf16, or fp16 on cards without bf16]")
-@click.option("--optimizer", type=_choice(OPTIMIZERS), help="[default: searched: adamw-fused or adamw-8bit]")
-@click.option("--checkpointing/--no-checkpointing", default=None, help="[default: searched]")
-@click.option("--attn", type=_choice(ATTENTIONS), help="[default: searched]")
-@click.option("--zero", "zero_stage", type=_choice(["0", "1", "2", "3"]), help="Fix the ZeRO stage  [default: searched]")
-@click.option("--offload-optimizer", type=_choice(OFFLOADS), help="[default: searched]")
-@click.option("--offload-params", type=_choice(OFFLOADS), help="[default: searched]")
-@click.option("--fsdp", type=_choice(FSDP_MODES),
-              help="Fix PyTorch FSDP sharding instead of ZeRO (none: no FSDP)  [default: searched on several GPUs]")
-@click.option("--loss", type=_choice(LOSSES), help="[default: hf]")
-@click.option("--batch", type=int, help="Fix the micro-batch per GPU  [default: searched]")
-@click.option("--grad-accum", type=int, help="Fix the gradient accumulation  [default: from the global batch]")
+@knob_options(_MORE_KNOBS)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 @click.option("--out", "out_file", metavar="FILE", help="Write the plan file (.yaml, .yml or .json).")
 @click.option("--html", "html_file", metavar="FILE", help="Write a standalone HTML report.")
 @click.option("--emit", "emit_dir", metavar="DIR", help="Write the launch files (`vramplan emit`) into DIR.")
-@_user_errors
+@user_errors
 def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, nodes: int, host_ram: str | None,
          nvme: bool, seq: int, global_batch: str | None, tokens_per_step: str | None, dataset_tokens: str | None,
          no_quant: bool, as_json: bool, out_file: str | None, html_file: str | None, emit_dir: str | None,
@@ -92,18 +108,17 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
     Setup options given are kept fixed; the others are searched (method, LoRA rank, quantization,
     optimizer, checkpointing, attention, ZeRO stage, offload, micro-batch x grad accumulation).
     """
+    from ..inputs import resolve_gpu
     from ..search import plan as run_plan
     from ..units import parse_bytes
 
-    gpu = _gpu_from(gpu_name, gpu_memory)
+    gpu = resolve_gpu(gpu_name, gpu_memory)
     if gpu is None:
         raise SpecError("plan needs a target: pass --gpu NAME or --gpu-memory SIZE")
     if no_quant:
         if knobs.get("quant") not in (None, "none"):
             raise SpecError(f"pass --quant {knobs['quant']} or --no-quant, not both")
         knobs["quant"] = "none"
-    if knobs.get("zero_stage") is not None:
-        knobs["zero_stage"] = int(knobs["zero_stage"])
     ram = None
     if host_ram is not None:
         try:
@@ -111,10 +126,7 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
         except (ValueError, OverflowError) as exc:
             raise SpecError(f"--host-ram: {exc}") from None
     fixed = {k: v for k, v in knobs.items() if v is not None}
-    if fixed.get("method") == "full":
-        given = [_FLAG[k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets") if k in fixed]
-        if given:
-            _warn(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with --method full")
+    warn_lora_unused(fixed.get("method"), fixed)
     try:
         result = run_plan(model, gpu, gpus=gpus, nodes=nodes, host_ram=ram, nvme=nvme, seq=seq,
                           global_batch=parse_count(global_batch, "--global-batch"),
@@ -135,11 +147,16 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
     if emit_dir:
         if not result.fits:
             raise SpecError(f"nothing fits, so there is nothing to emit into {emit_dir}")
-        from ..emit import emit_to_dir, launch_command  # the emitters are torch-free too
+        from ..emit import (  # the emitters are torch-free too
+            emit_to_dir,
+            launch_command,
+        )
+        from ..profiles import load_model
 
-        emitted = emit_to_dir(result, emit_dir, formats=None, force=False)
+        # the search resolved MODEL (cached): the emitters reuse its spec instead of the plan's name
+        emitted = emit_to_dir(result, emit_dir, formats=None, force=False, model=load_model(model))
     if as_json:
-        _print_json(plan_to_json(result))
+        print_json(plan_to_json(result))
     else:
         print_plan(result)
     for path in [out_file, html_file, *emitted]:
@@ -161,7 +178,7 @@ def print_plan(plan) -> None:
     console = Console(highlight=False)
     bd, gpu = plan.breakdown, plan.gpu
     usable = gpu.usable_memory_bytes
-    tight = any(n.startswith("tight") for n in plan.notes)
+    tight = plan.tight
     gpus = f"{plan.setup.gpus} x " if plan.setup.gpus > 1 else ""
     nodes = f" over {plan.nodes} nodes" if plan.nodes > 1 else ""
     verdict = ("[bold red]does not fit[/]" if not plan.fits else "[bold yellow]fits, tight[/]" if tight
@@ -193,5 +210,5 @@ def print_plan(plan) -> None:
         for r in plan.rejected:
             console.print(f"  ✗ {escape(r.reason)}")
     for note in plan.notes:
-        what_would = not plan.fits and note.startswith(("with ", "on ", "without "))
+        what_would = not plan.fits and note.kind == "what_would_fit"
         console.print(f"  → {escape(note)}" if what_would else f"[dim]note: {escape(note)}[/]")

@@ -12,10 +12,11 @@ import time
 
 import click
 
-from ..cli import _print_json, _user_errors, describe, main
+from ..wording import describe
+from .options import print_json, user_errors
 
 
-@main.command()
+@click.command()
 @click.option("--quick", is_flag=True, help="The small subset run in CI (one family, a few knobs).")
 @click.option("--knob", "knobs", multiple=True, metavar="K",
               help="Only these knobs (repeatable): canonical, quantization, optimizer, precision, attention, "
@@ -23,18 +24,18 @@ from ..cli import _print_json, _user_errors, describe, main
 @click.option("--measurements", default="calibration/measurements", show_default=True, metavar="DIR",
               help="Records of `vramplan measure`/`sweep`: the 'measured' truth column.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable rows and summary.")
-@_user_errors
+@user_errors
 def validate(quick: bool, knobs: tuple[str, ...], measurements: str, as_json: bool) -> None:
     """Estimate vs truth (fake-tensor trace, a real CPU run, N DeepSpeed processes, or the recorded
     measurements) for every knob: error per setup, median and worst per knob. The default matrix takes a few minutes; --quick well under one."""
+    from ..run.models import require_torch
     from ..specs import SpecError
-    from ..tracer import _require_torch
     from ..validate import KNOBS, matrix, row_json, run_case, summarize, unverified_rows
 
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
         raise SpecError(f"unknown knob {unknown[0]!r}; knobs: {', '.join(KNOBS)}")
-    _require_torch()
+    require_torch()
     t0 = time.perf_counter()
     cases = [c for c in matrix(quick) if not knobs or c.knob in knobs]
     rows = []
@@ -49,16 +50,16 @@ def validate(quick: bool, knobs: tuple[str, ...], measurements: str, as_json: bo
     summary = summarize(rows)
     seconds = time.perf_counter() - t0
     if as_json:
-        _print_json({
+        print_json({
             "rows": [row_json(r) for r in rows],
             "summary": [s.__dict__ for s in summary],
             "seconds": round(seconds, 1),
         })
         return
-    _print_table(rows, summary, seconds, describe)
+    _print_table(rows, summary, seconds)
 
 
-def _print_table(rows, summary, seconds: float, describe) -> None:
+def _print_table(rows, summary, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -19,10 +19,21 @@ import json
 import os
 from pathlib import Path
 
-from ..specs import Plan, SpecError
+from ..specs import ModelSpec, Plan, SpecError
 from .accelerate import accelerate_config
-from .common import (ACCELERATE_CONFIG, DS_CONFIG, HOSTFILE, LAUNCH_SCRIPT, MODEL_CONFIG, PLAN_FILE, TRAIN_SCRIPT,
-                     launch_command, launch_commands, plan_model, uses_deepspeed)
+from .common import (
+    ACCELERATE_CONFIG,
+    DS_CONFIG,
+    HOSTFILE,
+    LAUNCH_SCRIPT,
+    MODEL_CONFIG,
+    PLAN_FILE,
+    TRAIN_SCRIPT,
+    launch_command,
+    launch_commands,
+    plan_model,
+    uses_deepspeed,
+)
 from .deepspeed import deepspeed_config
 from .trainer import hostfile, launch_script, train_script
 
@@ -47,25 +58,29 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return names
 
 
-def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None) -> dict[str, str]:
+def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
+           model: ModelSpec | None = None) -> dict[str, str]:
     """File name -> text for ``formats`` (default: :func:`default_formats`). Pure: no I/O beyond
-    reading the shipped template and the model's config, and the plan is not touched."""
+    reading the shipped template and the model's config, and the plan is not touched.
+
+    ``model`` is the plan's ModelSpec when the caller has it (``Plan.model`` is only its name;
+    without it, the name is resolved again)."""
+    from ..planfile import dumps_plan
     from . import accelerate as acc
     from . import deepspeed as ds
-    from ..planfile import dumps_plan
 
     formats = default_formats(plan) if formats is None else tuple(formats)
     for name in formats:
         if name not in FORMATS:
             raise SpecError(f"unknown format {name!r}; use {', '.join(FORMATS)}")
-    model = plan_model(plan)
+    model = model or plan_model(plan)
     files: dict[str, str] = {}
     if "deepspeed" in formats or ("trainer" in formats and uses_deepspeed(plan)):
         files[DS_CONFIG] = ds.dumps(deepspeed_config(plan, model=model))
     if "accelerate" in formats or "trainer" in formats:
         files[ACCELERATE_CONFIG] = acc.dumps(plan, accelerate_config(plan))
     if "trainer" in formats:
-        files[TRAIN_SCRIPT] = train_script(plan)
+        files[TRAIN_SCRIPT] = train_script(plan, model=model)
         files[LAUNCH_SCRIPT] = launch_script(plan)
         if plan.nodes > 1 and uses_deepspeed(plan):
             files[HOSTFILE] = hostfile(plan)
@@ -75,8 +90,9 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None) -> di
 
 
 def emit_to_dir(plan: Plan, out_dir: str | os.PathLike, formats: tuple[str, ...] | list[str] | None = None,
-                force: bool = False) -> list[Path]:
-    """Write the files of ``formats`` into ``out_dir``; return their paths.
+                force: bool = False, *, model: ModelSpec | None = None) -> list[Path]:
+    """Write the files of ``formats`` into ``out_dir`` (``model``: as for :func:`render`); return
+    their paths.
 
     An existing non-empty ``out_dir`` is refused (one-line SpecError) unless ``force``; with
     ``force`` the files are replaced one by one and other files there are left alone.
@@ -88,7 +104,7 @@ def emit_to_dir(plan: Plan, out_dir: str | os.PathLike, formats: tuple[str, ...]
         raise SpecError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise SpecError(f"{out} exists and is not empty; pass --force to overwrite its files")
-    files = render(plan, formats)
+    files = render(plan, formats, model=model)
     paths = []
     for name, text in files.items():
         path = atomic_write_text(out / name, text)

@@ -17,7 +17,7 @@ from .common import DS_CONFIG, FSDP_STRATEGIES, MAIN_PORT, comment, fsdp_mode, h
 #: Setup.precision -> accelerate's mixed_precision under FSDP: pure bf16 runs FSDP's bf16
 #: MixedPrecision over fp32 shards (accelerate upcasts trainable shards), what vramplan.run.fsdp
 #: runs and estimator/fsdp.py models.
-_MIXED_PRECISION = {"bf16": "bf16", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
+MIXED_PRECISION = {"bf16": "bf16", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
 
 #: Setup.precision -> accelerate's mixed_precision on one GPU and under DDP: autocast only for the
 #: "-mixed" precisions. ``accelerate launch`` exports it as ACCELERATE_MIXED_PRECISION, and the
@@ -50,7 +50,7 @@ def accelerate_config(plan: Plan) -> dict:
             "fsdp_sync_module_states": True,
             "fsdp_use_orig_params": True,
         }
-        cfg["mixed_precision"] = _MIXED_PRECISION[s.precision]
+        cfg["mixed_precision"] = MIXED_PRECISION[s.precision]
     else:
         cfg["distributed_type"] = "MULTI_GPU" if s.gpus > 1 else "NO"
         cfg["mixed_precision"] = _AUTOCAST[s.precision]

@@ -8,6 +8,7 @@ same plan always emits the same bytes (golden files in tests/golden/emit/).
 from __future__ import annotations
 
 from ..specs import ModelSpec, Plan, SpecError
+from ..wording import describe
 
 #: File names inside an emitted directory.
 DS_CONFIG = "ds_config.json"
@@ -97,16 +98,6 @@ def launch_command(plan: Plan) -> str:
     return launch_commands(plan)[0]
 
 
-def needed_files(plan: Plan) -> tuple[str, ...]:
-    """The config files the launch commands read, besides train.py itself."""
-    files = [MODEL_CONFIG, PLAN_FILE, ACCELERATE_CONFIG]
-    if uses_deepspeed(plan):
-        files.append(DS_CONFIG)
-        if plan.nodes > 1:
-            files.append(HOSTFILE)
-    return tuple(files)
-
-
 def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
@@ -130,8 +121,6 @@ def header_lines(plan: Plan, runs: str | None = None) -> list[str]:
     """The opening comment of every emitted file (without comment markers): what the plan is, the
     command that runs it, the estimate it was made for. ``runs`` names how this file is used when
     that is not simply the launch command."""
-    from ..cli import describe
-
     topology = f"{plan.setup.gpus} GPU{'s' if plan.setup.gpus > 1 else ''}"
     if plan.nodes > 1:
         topology += f" on {plan.nodes} nodes ({plan.gpus_per_node} per node)"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from ..estimator.distributed import zero_config
-from ..specs import ModelSpec, Plan
+from ..specs import ModelSpec, Plan, Setup
 from .common import default_lr, header_lines, plan_model
 
 #: Where NVMe offload writes, unless the caller names a path; the header says to change it.
@@ -52,18 +52,25 @@ def deepspeed_config(plan: Plan, *, hf_auto: bool = True, nvme_path: str = DEFAU
     """The DeepSpeed config for ``plan``; a new dict each call (the plan is not touched)."""
     model = model or plan_model(plan)
     s = plan.setup
+    lines = header_lines(plan)
+    if not s.zero_stage:
+        lines.append("this plan does not use ZeRO; stage 0 runs it as DeepSpeed data parallelism")
+    if "nvme" in (s.offload_optimizer, s.offload_params):
+        lines.append(f"set zero_optimization.offload_*.nvme_path ({nvme_path}) to a directory on a local NVMe drive")
+    return {"_comment": lines, **setup_config(model, s, hf_auto=hf_auto, nvme_path=nvme_path)}
+
+
+def setup_config(model: ModelSpec, s: Setup, *, hf_auto: bool = True, nvme_path: str = DEFAULT_NVME_PATH) -> dict:
+    """The DeepSpeed config of Setup ``s`` on ``model`` without the plan's header comment: what
+    :func:`deepspeed_config` writes, and what the ZeRO truth (:mod:`vramplan.run.distributed`)
+    runs. ``hf_auto=False`` writes the Setup's numbers where the HF Trainer would fill ``"auto"``."""
     zero = dict(zero_config(model, s))
     if s.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload(s.offload_optimizer, nvme_path, "optimizer", model)
     if s.offload_params != "none":
         zero["offload_param"] = _offload(s.offload_params, nvme_path, "param", model)
 
-    lines = header_lines(plan)
-    if not s.zero_stage:
-        lines.append("this plan does not use ZeRO; stage 0 runs it as DeepSpeed data parallelism")
-    if "nvme" in (s.offload_optimizer, s.offload_params):
-        lines.append(f"set zero_optimization.offload_*.nvme_path ({nvme_path}) to a directory on a local NVMe drive")
-    cfg: dict = {"_comment": lines}
+    cfg: dict = {}
     if hf_auto:
         cfg.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
                    train_batch_size="auto", gradient_clipping="auto")

@@ -8,12 +8,10 @@ checkpointing, attention, shape). Everything else in it is fixed code, so a plan
 
 from __future__ import annotations
 
-import shlex
 from importlib import resources
 
-from ..specs import Plan
-from .common import (MODEL_CONFIG, comment, default_lr, header_lines, launch_commands,
-                     plan_model, uses_deepspeed)
+from ..specs import ModelSpec, Plan
+from .common import MODEL_CONFIG, comment, default_lr, header_lines, launch_commands, plan_model, uses_deepspeed
 
 #: vramplan optimizer -> TrainingArguments.optim (transformers' OptimizerNames).
 TRAINER_OPTIM = {
@@ -27,19 +25,19 @@ TRAINER_OPTIM = {
 }
 
 
-def _hub_id(plan: Plan) -> str | None:
+def _hub_id(plan: Plan, model: ModelSpec | None = None) -> str | None:
     """The model's Hub id when the plan names one (what ``--model`` would load real weights from)."""
-    model = plan_model(plan)
+    model = model or plan_model(plan)
     if model.source.startswith(("profile:", "hub:")):
         return model.name
     return None
 
 
-def script_plan(plan: Plan) -> dict:
+def script_plan(plan: Plan, model: ModelSpec | None = None) -> dict:
     """The ``PLAN`` mapping train.py reads: the Setup in the words of transformers/peft (LoRA and
-    quantization keys only where the plan uses them)."""
+    quantization keys only where the plan uses them). ``model``: the plan's ModelSpec, if known."""
     s = plan.setup
-    data: dict = {"model": _hub_id(plan) or "ID_OR_PATH", "method": s.method}
+    data: dict = {"model": _hub_id(plan, model) or "ID_OR_PATH", "method": s.method}
     if s.adapters:
         data.update(lora_r=s.lora_rank, lora_alpha=s.alpha, lora_dropout=s.lora_dropout, lora_targets=s.lora_targets)
     data["quant"] = s.quant
@@ -48,7 +46,7 @@ def script_plan(plan: Plan) -> dict:
     elif s.quant != "none":
         data["double_quant"] = s.double_quant
         if s.quant in ("nf4", "fp4"):
-            data["quant_storage"] = _quant_storage(s)
+            data["quant_storage"] = quant_storage(s)
         if getattr(s, "fsdp", "none") not in ("none", None):
             data["fsdp"] = s.fsdp  # train.py skips prepare_model_for_kbit_training under FSDP
     data.update(
@@ -67,7 +65,7 @@ def script_plan(plan: Plan) -> dict:
     return data
 
 
-def _quant_storage(s) -> str:
+def quant_storage(s) -> str:
     """The dtype bitsandbytes packs 4-bit weights into (``bnb_4bit_quant_storage``). Unsharded:
     uint8. ZeRO-3 partitions them as parameters and DeepSpeed casts every parameter to its 16-bit
     dtype at ``initialize`` (an fp32 storage would be cast element-wise, breaking the packing):
@@ -81,16 +79,17 @@ def _quant_storage(s) -> str:
     return "uint8"
 
 
-def train_script(plan: Plan) -> str:
-    """The text of train.py for ``plan``."""
+def train_script(plan: Plan, model: ModelSpec | None = None) -> str:
+    """The text of train.py for ``plan`` (``model``: the plan's ModelSpec, if known)."""
     template = (resources.files("vramplan.emit") / "templates" / "train.py.tmpl").read_text(encoding="utf-8")
-    real = _hub_id(plan) or "ID_OR_PATH"
+    model = model or plan_model(plan)
+    real = _hub_id(plan, model) or "ID_OR_PATH"
     runs = f"random weights from {MODEL_CONFIG}; real weights: add --model {real}"
     if plan.setup.quant in ("gptq", "awq"):
         runs = (f"needs --model: a pre-quantized {plan.setup.quant_bits}-bit {plan.setup.quant.upper()} checkpoint "
                 f"of {real} (random weights cannot be {plan.setup.quant.upper()}-quantized here)")
     header = comment(header_lines(plan, runs=runs))
-    body = "{\n" + "".join(f"    {key!r}: {value!r},\n" for key, value in script_plan(plan).items()) + "}"
+    body = "{\n" + "".join(f"    {key!r}: {value!r},\n" for key, value in script_plan(plan, model).items()) + "}"
     return template.replace("__HEADER__\n", header).replace("__PLAN__", body)
 
 
@@ -111,9 +110,3 @@ def hostfile(plan: Plan) -> str:
     """DeepSpeed's hostfile for a multi-node plan: one line per node (replace the host names)."""
     lines = comment(["one line per node: host name (as ssh reaches it) and its GPUs; replace the names"])
     return lines + "".join(f"node-{i} slots={plan.gpus_per_node}\n" for i in range(plan.nodes))
-
-
-def train_command(plan: Plan, *extra: str) -> list[str]:
-    """The preferred launch command as an argument list (for running it from Python)."""
-    return shlex.split(launch_commands(plan)[0]) + list(extra)
-

@@ -1,5 +1,9 @@
 """Saved activations per token: what autograd keeps between forward and backward.
 
+The dtypes they are kept in are in ``estimator/precision.py``, the gradient temporaries and loss
+transients of the step's moments in ``estimator/transients.py``; the family traits they depend
+on (norm style, RoPE, dropout, sliding windows, ...) come from ``ModelSpec.traits``.
+
 Each function returns bytes per token, read off the modeling code of transformers 5 and peft and
 checked op by op with the tracer (``vramplan.tracer.trace_numbers(...).saved_detail`` lists every
 saved storage with the module that saved it). Notation as in Korthikanti et al. 2022
@@ -10,86 +14,20 @@ picks flash attention for a causal step without a mask (q, k, v, output, fp32 lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..specs import ModelSpec, Setup
-from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE, PRECISION_WEIGHT_DTYPE
-from .lora import adapted_linears, converted_moe
+from .lora import adapted_linears, converted_moe, expert_lora_params
+from .precision import (
+    adapter_dtype_bytes,
+    attention_impl,
+    autocast_bytes,
+    compute_bytes,
+    mixed,
+)
 
 #: Elementwise tensors an activation function saves for backward, in units of its input.
 #: F.silu / F.gelu (exact or tanh) save their input; GPT-2's NewGELUActivation is written out in
 #: Python (0.5*x*(1+tanh(k*(x+0.044715*x^3)))) and keeps four.
 ACTIVATION_SAVES = {"silu": 1, "gelu": 1, "gelu_tanh": 1, "gelu_new": 4, "relu": 1, "swish": 1}
-
-
-@dataclass(frozen=True)
-class Traits:
-    """What of a family's layer shape changes what autograd saves."""
-
-    norm: str  # rms (llama), rms_fp32_mul (gemma, olmo2), layernorm, cohere
-    norms_per_layer: int
-    shared_norm: bool  # attention and MLP read the same norm output (parallel blocks)
-    fused_qkv: bool  # q, k, v are views of one projection's output
-    rope: bool
-    rope_bytes: int  # dtype of the cos/sin tables
-    qk_norm_rows: int  # 0: none; per-head norms: heads + kv heads; OLMo2: 2
-    dropout_masks_per_layer: int  # hidden-state dropouts with p > 0 (bool masks, 1 B/element)
-    embedding_dropout: bool
-
-
-def _p(cfg: dict, *keys: str) -> float:
-    return max(float(cfg.get(k) or 0.0) for k in keys)
-
-
-def traits(model: ModelSpec) -> Traits:
-    f, cfg = model.family, model.config
-    norm = {"gemma": "rms_fp32_mul", "gemma2": "rms_fp32_mul", "gemma3_text": "rms_fp32_mul",
-            "olmo2": "rms_fp32_mul", "cohere": "cohere"}.get(f, "layernorm" if model.norm_kind == "layernorm" else "rms")
-    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "gptj": 1}.get(f, 2)
-    parallel = f in ("cohere", "gptj") or (f == "stablelm" and bool(cfg.get("use_parallel_residual")))
-    if f == "stablelm" and parallel:
-        norms = 1
-    qk_rows = 0
-    if f in ("qwen3", "qwen3_moe", "gemma3_text"):
-        qk_rows = model.num_heads + model.num_kv_heads
-    elif f == "olmo2":
-        qk_rows = 2
-    masks, embed_drop = 0, False
-    if f == "gpt2":
-        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
-    elif f == "gptj":
-        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
-    elif f == "starcoder2":
-        masks, embed_drop = 2 * (_p(cfg, "residual_dropout") > 0), _p(cfg, "embedding_dropout") > 0
-    elif f == "gpt_neox":
-        masks = 2 * (_p(cfg, "hidden_dropout") > 0)
-    elif f == "phi3":
-        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
-    elif f == "stablelm":
-        masks = 1 * (_p(cfg, "hidden_dropout") > 0)
-    return Traits(
-        norm=norm, norms_per_layer=norms, shared_norm=parallel,
-        fused_qkv=any(l.name in ("qkv_proj", "query_key_value", "c_attn") for l in model.linears),
-        rope=f != "gpt2", rope_bytes=4 if f == "olmo2" else 0, qk_norm_rows=qk_rows,
-        dropout_masks_per_layer=masks, embedding_dropout=embed_drop,
-    )
-
-
-def sliding_layers(model: ModelSpec) -> int:
-    """Layers with sliding-window attention, as transformers' config classes lay them out."""
-    cfg, L, f = model.config, model.num_layers, model.family
-    if not cfg.get("sliding_window"):
-        return 0
-    if isinstance(cfg.get("layer_types"), list):
-        return sum(t == "sliding_attention" for t in cfg["layer_types"][:L])
-    if f == "gemma3_text":
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        return sum((i + 1) % pattern != 0 for i in range(L))
-    if f == "gemma2":
-        return sum(i % 2 == 0 for i in range(L))
-    if f in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
-        return 0 if not cfg.get("use_sliding_window") else L - min(L, int(cfg.get("max_window_layers") or L))
-    return L
 
 
 def masked_layers(model: ModelSpec, setup: Setup) -> int:
@@ -101,71 +39,10 @@ def masked_layers(model: ModelSpec, setup: Setup) -> int:
         return 0
     if setup.pad_mask:  # a padded batch: every layer gets the boolean padding + causal mask
         return model.num_layers
-    window = model.config.get("sliding_window")
-    if not window or setup.seq < int(window):
+    window = model.traits.sliding_window
+    if not window or setup.seq < window:
         return 0
-    return sliding_layers(model)
-
-
-def mixed(setup: Setup) -> bool:
-    """Mixed precision: fp32 weights and residual stream, matmuls and attention under autocast.
-    Not under DeepSpeed: accelerate leaves autocast to it (``native_amp`` is off for DeepSpeed)
-    and its bf16/fp16 engine casts the parameters to 16 bits (:func:`deepspeed_16bit`)."""
-    return setup.precision.endswith("-mixed") and not setup.zero_stage
-
-
-def deepspeed_16bit(setup: Setup) -> bool:
-    """DeepSpeed's bf16/fp16 engine (ZeRO with any precision but fp32) casts every floating-point
-    parameter of a model not built under ``zero.Init`` to 16 bits at ``initialize``
-    (``DeepSpeedEngine._cast_module_mixed_precision``): the fp32 weights of a ``-mixed`` load and
-    the embeddings, norms and head that ``prepare_model_for_kbit_training`` upcast on a quantized
-    base (which transformers never builds under ``zero.Init``) become 16-bit again."""
-    return bool(setup.zero_stage) and setup.precision != "fp32"
-
-
-def autocast_bytes(setup: Setup) -> int:
-    """Bytes of what autocast's lower-precision ops produce (matmuls, SDPA) under mixed
-    precision; otherwise the activations' dtype."""
-    if mixed(setup):
-        return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
-    return compute_bytes(setup)
-
-
-def compute_bytes(setup: Setup) -> int:
-    """Bytes per element of the activations. A quantized base is prepared for k-bit training
-    (peft ``prepare_model_for_kbit_training``), which upcasts the embeddings, norms and head to
-    fp32: the residual stream, every projection's output (bitsandbytes casts its matmul result
-    back to the input's dtype) and the logits are fp32; only the matmuls run in the compute dtype.
-    peft skips that upcast for a GPTQ base: its activations stay in the load dtype (an AWQ base is
-    upcast; its GEMM kernel casts each input to fp16 and the output back)."""
-    if setup.quant not in ("none", "gptq") and not deepspeed_16bit(setup) and setup.fsdp == "none":
-        return 4  # (under FSDP the base is not prepared: estimator/fsdp.py, _packed_layer)
-    return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
-
-
-def adapter_dtype_bytes(setup: Setup) -> int:
-    """Bytes per element of the LoRA adapters' weights and of what they compute. peft upcasts the
-    adapters to fp32 (``autocast_adapter_dtype=True``) and casts each adapter's input to that dtype.
-    DeepSpeed with bf16/fp16 casts every parameter to 16 bits at ``initialize``
-    (``DeepSpeedEngine._cast_module_mixed_precision``), the adapters included, except on a model
-    built under ``zero.Init``, whose parameters it leaves as they are: at stage 3 (transformers
-    loads the base under ``zero.Init``, peft adds its fp32 adapters after) they stay fp32, unless
-    the parameters are offloaded: stage 3 then copies the trainable partitions into 16-bit host
-    buffers (``param_groups_fp16_flat_cpu_memory``), which the adapters become views of. A
-    quantized base is never built under ``zero.Init`` (transformers creates it on the meta device
-    and loads it whole on every rank): stage 3 partitions it at ``initialize`` and casts it,
-    adapters included, like stage 1/2."""
-    if setup.fsdp != "none":  # FSDP's MixedPrecision computes the adapters on 16-bit copies
-        return 2 if setup.precision in ("bf16", "bf16-mixed", "fp16-mixed") else 4
-    if setup.precision == "fp32" or not setup.zero_stage:
-        return 4
-    if setup.zero_stage in (1, 2) or setup.offload_params != "none" or setup.quant != "none":
-        return 2  # a quantized base is not built under zero.Init: the engine casts it, adapters too
-    return 4
-
-
-def attention_impl(model: ModelSpec, setup: Setup) -> str:
-    return model.default_attn if setup.attn == "auto" else setup.attn
+    return model.traits.sliding_layers
 
 
 def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: int | None = None, rows: int = 1) -> float:
@@ -178,7 +55,7 @@ def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: in
     - cohere (CohereLayerNorm in fp32): x - mean computed twice (2 x 4w), rsqrt, fp32 normalised.
     """
     w, c = width or model.hidden_size, compute_bytes(setup)
-    style = traits(model).norm
+    style = model.traits.norm
     if style == "rms":
         # under autocast the residual stream is fp32 (fp32 weights), so the normalised tensor is
         return 4 * w + 4 * rows + ((4 if mixed(setup) else c) * w if trainable_weight else 0)
@@ -192,9 +69,9 @@ def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: in
 def attention_bytes(model: ModelSpec, setup: Setup) -> float:
     """Attention core per token (its input projection's input is counted with the linears)."""
     c, q, kv, a, s = compute_bytes(setup), model.q_dim, model.kv_dim, model.num_heads, setup.seq
-    t = traits(model)
+    t = model.traits
     full = setup.method == "full"
-    if model.family == "deepseek_v2" and attention_impl(model, setup) != "eager":
+    if t.mla is not None and attention_impl(model, setup) != "eager":
         return mla_attention_bytes(model, setup)
     if attention_impl(model, setup) != "eager":
         c = autocast_bytes(setup)  # SDPA under autocast receives (and keeps) half q, k, v
@@ -202,7 +79,7 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
         # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back to c, the
         # output and o_proj's contiguous copy; Gemma2's soft-capping keeps tanh's output too
         total = 4 * c * q + (4 + c) * a * s + (c * q if full else 0)
-        if model.config.get("attn_logit_softcapping") and model.family == "gemma2":
+        if t.attn_softcapping:
             total += c * a * s
         return total
     # flash/SDPA: q and k after RoPE (new tensors), v, the output (which o_proj reads), logsumexp;
@@ -327,7 +204,7 @@ def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "me
     side before it reaches the attention and the norms. ``which``: "mean" over the layers, or a
     layer index (dense and MoE layers differ)."""
     h, c = model.hidden_size, compute_bytes(setup)
-    t = traits(model)
+    t = model.traits
     full = setup.method == "full"
     common = t.norms_per_layer * norm_bytes(model, setup, trainable_weight=full)
     if full and mixed(setup):
@@ -392,8 +269,6 @@ def moe_lora_weight_bytes(model: ModelSpec, setup: Setup) -> float:
     prepared base, whose experts are upcast). Summed over the MoE layers."""
     if not (setup.adapters and converted_moe(model)):
         return 0.0
-    from .lora import expert_lora_params
-
     moe, h, c = model.moe, model.hidden_size, compute_bytes(setup)
     E, ei = moe.num_experts, moe.expert_intermediate_size
     router_lora = setup.lora_rank * (h + E)
@@ -407,94 +282,16 @@ def mla_attention_bytes(model: ModelSpec, setup: Setup) -> float:
     """DeepSeek-V2 multi-head latent attention per token: the q and kv low-rank norms (and the
     normalised inputs of q_b/kv_b when they train), q and k at nope+rope width, kv_b's output
     (v is a view of it), the output and the logsumexp."""
-    cfg, c, a = model.config, compute_bytes(setup), model.num_heads
+    mla, c, a = model.traits.mla, compute_bytes(setup), model.num_heads
     full = setup.method == "full"
-    nope, rope, vd, kvr = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
-    qr = cfg.get("q_lora_rank", 1536)
+    nope, rope, vd, kvr = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank
+    qr = mla.q_lora_rank
     total = 0.0
     if qr:
         total += norm_bytes(model, setup, full, width=qr) + (c * qr if full else 0)
     total += norm_bytes(model, setup, full, width=kvr) + (c * kvr if full else 0)
     total += 2 * c * a * (nope + rope) + c * a * (nope + vd) + c * a * vd + 4 * a
     return total
-
-
-#: Bytes per token, in units of h, of the norm and attention gradients at the worst moment of a
-#: layer's backward (fp32 norm gradients dominate), per norm style and full/LoRA; read off the
-#: tracer's per-moment peaks on micro-configs where the MLP is too narrow to matter.
-NORM_BACKWARD_H = {
-    ("rms", "full"): 22, ("rms", "lora"): 22,
-    ("rms_fp32_mul", "full"): 26, ("rms_fp32_mul", "lora"): 22,
-    ("layernorm", "full"): 16, ("layernorm", "lora"): 7,
-    ("cohere", "full"): 30, ("cohere", "lora"): 7,
-}
-
-
-def mlp_backward_transient_per_token(model: ModelSpec, setup: Setup, idx: int) -> float:
-    """Gradient temporaries of an MLP's backward, while the whole layer's activations are still
-    saved: c (3 i + h) (the product's, the gate's and up's gradients and the hidden state's; a
-    LoRA down_proj's fp32 adapter path in place of the product's); MoE: the routed tokens'
-    expert width. Read off the tracer's per-moment peaks."""
-    h, c = model.hidden_size, compute_bytes(setup)
-    if is_moe_layer(model, idx):
-        routed = model.moe.expert_intermediate_size * model.moe.top_k
-        return c * (routed + 2 * h)  # grouped_mm backward over the routed tokens
-    i = model.intermediate_size
-    if setup.method == "full":
-        return c * (3 * i + h)
-    # LoRA: the gradient of the widest adapted MLP projection's lora_B output (in the adapter
-    # dtype), beside the c-byte gradients of the gate/up product
-    widest = max((l.out_features for l in adapted_linears(model, setup) if l.role == "mlp"), default=i)
-    return adapter_dtype_bytes(setup) * widest + 0.64 * i + c * h
-
-
-def lora_forward_peak_per_token(model: ModelSpec, setup: Setup, idx: int) -> float:
-    """The peak inside a layer's forward (a recomputed one, with checkpointing) at its widest
-    LoRA projection, per token, over the layer's input: peft's ``result + lora_B(lora_A(x)) *
-    scaling`` holds the base output (c bytes) beside two out-sized tensors in the adapter dtype
-    (lora_B's output and its scaled copy, then the sum), on top of what the layer saved before it. Fused
-    projections (Phi-3's gate_up_proj, out = 2 i) make this the layer's peak, above its backward.
-    Read off the tracer's op timeline; MoE layers' routed experts are not plain Linears."""
-    if not setup.adapters:
-        return 0.0
-    h, c = model.hidden_size, compute_bytes(setup)
-    mask = 1 if setup.lora_dropout > 0 else 0
-    r, a = setup.lora_rank, adapter_dtype_bytes(setup)
-
-    # adapters in the activations' dtype (fp32 of a k-bit-prepared base, 16-bit under DeepSpeed
-    # stage 1/2): the adapter's cast of its input is a no-op
-    copy = 0 if c == a and not mask else a + mask
-
-    def at(l, before: float) -> float:
-        return before + copy * l.in_features + a * r + c * l.out_features + 2 * a * l.out_features
-
-    common, _ = layer_split_per_token(model, setup, idx)
-    # alive beside the saves: the norm's output being projected, and (MLP side) the residual
-    norm = norm_bytes(model, setup, trainable_weight=False) + c * h
-    peaks, before = [0.0], norm
-    for l in adapted_linears(model, setup):
-        if l.role != "attn" or l.out_features == h and l.in_features == model.q_dim and l.name.endswith(("o_proj", "dense", "out_proj", "c_proj")):
-            continue  # the output projection runs on the attention's output, after its saves
-        peaks.append(at(l, before))
-        before += c * l.out_features + copy * l.in_features + a * r
-    if not is_moe_layer(model, idx):
-        act = ACTIVATION_SAVES.get(model.activation, 1)
-        before = common + 2 * c * h
-        ups = [l for l in adapted_linears(model, setup) if l.role == "mlp" and l.out_features != h]
-        for n, l in enumerate(ups):
-            peaks.append(at(l, before))
-            before += (c * l.out_features * (act + 1) if n == 0 and len(ups) > 1 else 0) + copy * l.in_features + a * r
-    return max(peaks)
-
-
-def attention_backward_transient_per_token(model: ModelSpec, setup: Setup) -> float:
-    """Gradient temporaries of the attention and norm backward, once the MLP side is freed:
-    the fp32 norm gradients dominate (NORM_BACKWARD_H); eager attention's score gradients
-    (fp32 and c-byte, 5.75 a s net of what they free) where larger."""
-    mode = "full" if setup.method == "full" else "lora"
-    norm = NORM_BACKWARD_H[(traits(model).norm, mode)] * model.hidden_size
-    eager = 5.75 * model.num_heads * setup.seq if attention_impl(model, setup) == "eager" else 0
-    return max(norm, eager)
 
 
 def checkpoint_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
@@ -507,14 +304,14 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     head input, and the fp32 log-probabilities cross-entropy keeps (transformers'
     ForCausalLMLoss upcasts the logits)."""
     h, c, V = model.hidden_size, compute_bytes(setup), model.vocab_size
-    t = traits(model)
+    t = model.traits
     full = setup.method == "full"
     total = 8.0  # labels (int64) for nll_loss
     if full:
         total += 8 * (2 if model.family == "gpt2" else 1)  # ids for the embedding backward(s)
     if t.rope:
         # cos and sin, shared by every layer, in the residual stream's dtype (fp32 under autocast)
-        total += 2 * (t.rope_bytes or (4 if mixed(setup) else c)) * rope_dim(model)
+        total += 2 * (t.rope_bytes or (4 if mixed(setup) else c)) * model.rope_dim
     if t.embedding_dropout and full:
         total += h
     if masked_layers(model, setup):
@@ -526,44 +323,6 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         total += 4 * V  # log_softmax output (fp32)
     elif not full:
         total += c * h  # chunked loss: checkpoint keeps its chunks' input, the final norm's output
-    if model.config.get("final_logit_softcapping") and setup.loss == "hf":
+    if t.final_logit_softcapping and setup.loss == "hf":
         total += c * V  # tanh output of the final soft-capping (Gemma2)
     return total
-
-
-#: Tokens per chunk of vramplan's chunked loss (vramplan/run/chunked_loss.py).
-LOSS_CHUNK_TOKENS = 1024
-
-
-def loss_transients(model: ModelSpec, setup: Setup) -> tuple[int, int]:
-    """Bytes alive at the loss in the forward and at its backward, beyond saved activations.
-
-    transformers' ForCausalLMLoss: the c-byte logits and their fp32 copy while log_softmax runs
-    (its fp32 output is saved), then two fp32 N x V gradients in log_softmax's backward.
-    The chunked loss (vramplan/run/chunked_loss.py) holds one chunk of C tokens at a time: in the
-    forward its fp32 logits and log-probabilities (the c-byte logits are freed by the upcast),
-    in the backward the recomputed pair and the fp32 gradient of the logits, beside the c-byte
-    gradient of the hidden states being assembled and (full fine-tuning, more than one chunk) the
-    head weight's gradient of the chunks already done."""
-    c, V, N, h = autocast_bytes(setup), model.vocab_size, setup.tokens, model.hidden_size
-    if setup.loss == "hf":
-        # fp32 logits (fp32 or k-bit-prepared models): ``.float()`` is a no-op, no copy
-        return (c + (4 if c < 4 else 0)) * N * V, 8 * N * V
-    chunk = min(N, LOSS_CHUNK_TOKENS)
-    # full fine-tuning: the head weight's gradient of the chunks done so far waits for the next
-    head_grad = V * h * int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]]) if setup.method == "full" and N > chunk else 0
-    return 8 * chunk * V, 12 * chunk * V + c * N * h + head_grad
-
-
-def rope_dim(model: ModelSpec) -> int:
-    """Width of the cos/sin tables: the rotated part of a head."""
-    cfg = model.config
-    if model.family == "gptj":
-        return int(cfg.get("rotary_dim") or model.head_dim) // 2
-    if model.family == "gpt_neox":
-        return int(model.head_dim * float(cfg.get("rotary_pct", 1.0)))
-    if model.family == "stablelm":
-        return int(model.head_dim * float(cfg.get("partial_rotary_factor", 0.25)))
-    if model.family == "deepseek_v2":
-        return int(cfg.get("qk_rope_head_dim") or model.head_dim)
-    return model.head_dim

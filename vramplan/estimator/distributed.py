@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
 from ..units import bnb_4bit_tensor_bytes
-from .activations import adapter_dtype_bytes
 from .lora import adapted_linears, converted_moe, expert_lora_factors
+from .precision import adapter_dtype_bytes
 
 
 def zero_config(model: ModelSpec, setup: Setup) -> dict:
@@ -188,7 +188,7 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
     # CPU Adam (used for offloaded AdamW, as the emitter writes) steps in place
     t_step = 4 * part if foreach and not (off_opt and setup.optimizer in ("adamw", "adamw-fused")) else 0
     # a bitsandbytes base: its Linears stay quantized (not castable), everything else is cast to
-    # pb bytes by the engine (activations.deepspeed_16bit); the quantization state is no
+    # pb bytes by the engine (precision.deepspeed_16bit); the quantization state is no
     # parameter, so every rank keeps all of it
     q_params, q_stored, q_state = _quantized_base(model, setup, pb)
     if stage in (1, 2):

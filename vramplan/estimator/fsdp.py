@@ -53,6 +53,7 @@ from ..units import (
     bnb_4bit_tensor_bytes,
 )
 from .lora import lora_params
+from .optimizers import linear_and_other_tensors
 
 #: Setup.precision -> whether accelerate runs FSDP with a MixedPrecision policy (emit/accelerate.py
 #: ``_MIXED_PRECISION``: pure fp16 and fp32 run without one).
@@ -136,16 +137,14 @@ def _unit_tensors(model: ModelSpec, setup: Setup) -> list[tuple[list[tuple[int, 
     order, how many such units): the root (embeddings, final norm, an untied head) and a layer
     (its Linears in module order, then its norms) for full fine-tuning; each adapter Linear its
     own unit under LoRA (peft's ``fsdp_auto_wrap_policy``)."""
-    from .optimizers import _linear_and_other_tensors
-
     L = max(model.num_layers, 1)
     if setup.adapters:
-        return [([(math.prod(shape), False)], count) for shape, count in _linear_and_other_tensors(model, setup)]
+        return [([(math.prod(shape), False)], count) for shape, count in linear_and_other_tensors(model, setup)]
     embed = [(n, True) for name, n in model.other_params if name == "embed_tokens"]
     head = [(l.weight_params, False) for l in model.linears if l.role == "head"]
     root = embed + [(model.hidden_size, False)] + head
     layer: list[tuple[int, bool]] = []
-    for shape, count in _linear_and_other_tensors(model, setup):
+    for shape, count in linear_and_other_tensors(model, setup):
         n = math.prod(shape)
         if shape == (model.vocab_size, model.hidden_size) and any(l.role == "head" for l in model.linears):
             continue  # the head: in the root unit
@@ -179,9 +178,9 @@ def _shard(n: int, ranks: int) -> int:
     return -(-n // ranks)
 
 
-def fsdp_memory(model: ModelSpec, setup: Setup, base_bytes: int | None = None) -> FsdpMemory:
-    """Model-state bytes per rank of ``setup`` under FSDP on ``setup.gpus`` ranks. ``base_bytes``:
-    unused (a bitsandbytes 4-bit base's units are built here from the model, :func:`_packed_layer`)."""
+def fsdp_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
+    """Model-state bytes per rank of ``setup`` under FSDP on ``setup.gpus`` ranks (a bitsandbytes
+    4-bit base's units are built here from the model, :func:`_packed_layer`)."""
     L = max(model.num_layers, 1)
     n = 1 if setup.fsdp == "no_shard" else setup.gpus
     # FSDP runs any sharded strategy on one rank as NO_SHARD

@@ -47,12 +47,16 @@ def trainable_tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int]]
 
 def _tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int, bool]]:
     """:func:`trainable_tensors`, each marked True when it is an ``nn.Embedding`` weight."""
-    return [(shape, count, False) for shape, count in _linear_and_other_tensors(model, setup)] + [
+    return [(shape, count, False) for shape, count in linear_and_other_tensors(model, setup)] + [
         ((n // model.hidden_size, model.hidden_size), 1, True)
         for name, n in model.other_params if not setup.adapters and name.startswith("embed")]
 
 
-def _linear_and_other_tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int]]:
+def linear_and_other_tensors(model: ModelSpec, setup: Setup) -> list[tuple[Shape, int]]:
+    """The trainable tensors' shapes with their counts, embeddings left out (:func:`_tensors`
+    adds them, marked): under LoRA each adapted Linear's A and B (and the experts' ParamWrapper
+    factors as one tensor); otherwise every Linear's weight and bias, then the non-Linear
+    parameters split by name (see :func:`trainable_tensors`)."""
     h = model.hidden_size
     if setup.adapters:
         r = setup.lora_rank

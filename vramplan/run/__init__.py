@@ -1,10 +1,14 @@
-"""Real runs: the live-tensor counter for real (CPU) runs and the truths built on it.
+"""The torch side: the tracer (fake tensors), the live-tensor counter, and the truths built on it
+(a real CPU step, N-process DeepSpeed/FSDP/DDP runs, the measuring worker).
 
-Everything under ``vramplan.run`` may import torch; nothing on the estimate path imports it.
+Everything under ``vramplan.run`` may import torch; nothing on the estimate path imports it. This
+package's own ``__init__`` imports nothing heavy: the launchers (:mod:`vramplan.run.launch`,
+:mod:`vramplan.run.ranks`) use its helpers without loading torch.
 """
 
 import glob as _glob
 import os as _os
+import socket as _socket
 
 #: Where DeepSpeed's CPU accelerator puts the shared-memory all-reduce workspace of each rank
 #: (csrc/cpu/comm/shm.cpp: ``deepspeed_allreduce_buffer_<n>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``,
@@ -24,3 +28,10 @@ def release_deepspeed_shm(port: int | str, addr: str = "127.0.0.1") -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it): MASTER_PORT for local ranks."""
+    with _socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..estimator.activations import LOSS_CHUNK_TOKENS
+from ..estimator.transients import LOSS_CHUNK_TOKENS
 
 
 def chunked_cross_entropy(hidden, weight, labels, chunk: int = LOSS_CHUNK_TOKENS):

@@ -112,23 +112,16 @@ def _saved_dir(config: dict, dtype) -> str:
     import torch
     import transformers
 
-    from ..tracer import _hf_config
+    from .models import hf_config
 
     key = json.dumps(config, sort_keys=True) + str(dtype)
     if key not in _SAVED:
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(_hf_config(config, None), dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(config, None), dtype=dtype)
         path = tempfile.mkdtemp(prefix="vramplan-cpu-truth-")
         model.save_pretrained(path)
         _SAVED[key] = path
     return _SAVED[key]
-
-
-def _attn_impl(config: dict, setup: Setup) -> str:
-    default = "eager" if config.get("model_type") in {"gemma2"} else "sdpa"
-    if setup.attn == "auto":
-        return default
-    return "sdpa" if setup.attn == "flash" else setup.attn
 
 
 def build_model(config: dict, setup: Setup):
@@ -137,15 +130,15 @@ def build_model(config: dict, setup: Setup):
     import torch
     import transformers
 
-    from ..tracer import _hf_config
+    from .models import adapt_for_training, attn_implementation, hf_config
 
     dtype = getattr(torch, PRECISION_WEIGHT_DTYPE[setup.precision])
-    attn = _attn_impl(config, setup)
+    attn = attn_implementation(config, setup)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     if setup.quant == "none":
         torch.manual_seed(0)
-        hf_cfg = _hf_config(config, None)
+        hf_cfg = hf_config(config, None)
         hf_cfg.use_cache = False
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)
     else:
@@ -168,33 +161,14 @@ def build_model(config: dict, setup: Setup):
     return model
 
 
-def adapt_for_training(model, setup: Setup):
-    """What every truth does after building the base: peft LoRA adapters (``setup.adapters``),
-    HF gradient checkpointing (``use_reentrant=False``; inputs require grad under LoRA so the
-    checkpointed segments have a grad path), train mode. Returns the (wrapped) model."""
-    if setup.adapters:
-        import peft
-
-        targets = setup.lora_targets
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
-            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
-    if setup.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if setup.adapters:
-            model.enable_input_require_grads()
-    model.train()
-    return model
-
-
 def make_optimizer(setup: Setup, params, model=None):
     """The optimizer of ``setup`` (bitsandbytes for its 8-bit, paged and Lion choices). For an
     8-bit one, ``model``'s ``nn.Embedding`` weights get 32-bit states, as the HF Trainer registers
     them (``GlobalOptimManager.register_module_override``, transformers' ``create_optimizer``)."""
     if setup.optimizer not in BNB_OPTIMIZERS:
-        from ..tracer import make_optimizer
+        from .models import torch_optimizer
 
-        return make_optimizer(setup, params)
+        return torch_optimizer(setup, params)
     import warnings
 
     import bitsandbytes as bnb
@@ -275,7 +249,7 @@ def cuda_kernels():
     import torch
     import torch.nn.functional as F
 
-    from ..tracer import autocast_inputs
+    from .real_paths import autocast_inputs
 
     flash, orig = _flash_real()
 
@@ -287,7 +261,7 @@ def cuda_kernels():
                     scale=scale, enable_gqa=enable_gqa)
 
     F.scaled_dot_product_attention = sdpa
-    restore = _int8_as_on_cuda()
+    restore = int8_as_on_cuda()
     try:
         yield
     finally:
@@ -295,7 +269,7 @@ def cuda_kernels():
         restore()
 
 
-def _int8_as_on_cuda():
+def int8_as_on_cuda():
     """In training, bitsandbytes runs LLM.int8 on CPU as dequantize-then-matmul
     (``MatMul8bitFp``, which keeps a dequantized fp32 copy of the weight in the forward); on CUDA
     it runs ``MatMul8bitLt`` (int8 matmul with fp16 outlier decomposition). Make ``bnb.matmul``
@@ -345,7 +319,7 @@ def run_step(config: dict, setup: Setup, steps: int = 2) -> CpuTruth:
     input_ids = torch.randint(0, vocab, (setup.batch, setup.seq), generator=gen)
     batch = {"input_ids": input_ids, "labels": input_ids}
     if setup.pad_mask:
-        from ..tracer import padding_mask
+        from .real_paths import padding_mask
 
         batch["attention_mask"] = padding_mask(setup.batch, setup.seq)
     counter.track(list(batch.values()))

@@ -3,8 +3,9 @@
     runs = run_fsdp(tiny_config(), [Setup(fsdp="full_shard", gpus=2), ...], world=2)
     runs[0].ranks[1].device_bytes            # rank 1's peak of "GPU" tensor bytes
 
-Each rank is a subprocess (``python -m vramplan.run.fsdp JOB``, gloo, CPU) started as
-:mod:`vramplan.run.distributed` starts its ranks; one launch runs several setups one after the other.
+Each rank is a subprocess (``python -m vramplan.run.fsdp JOB``, gloo, CPU) started by
+:func:`vramplan.run.ranks.launch_ranks`, as the ZeRO truth's are; one launch runs several setups
+one after the other.
 
 FSDP, as accelerate launches it. The emitted accelerate config (vramplan/emit/accelerate.py) asks
 for FSDP1 (``fsdp_version: 1``, accelerate 1.15's default) with TRANSFORMER_BASED_WRAP,
@@ -29,7 +30,7 @@ DDP: ``torch.nn.parallel.DistributedDataParallel`` with the keyword defaults acc
 i.e. what ``accelerate launch`` with ``distributed_type: MULTI_GPU`` and the HF Trainer build.
 Weights as loaded (bf16 for the canonical step); no autocast (bf16 weights and activations).
 
-Counting. A :class:`LiveTensorCounter` subclass (:func:`_resizing_counter_class`) is entered
+Counting. A :class:`vramplan.run.live.SplitCounter` subclass (:class:`ResizingCounter`) is entered
 before wrapping. FSDP frees an unsharded flat parameter (and its padded gradient) by resizing its
 storage to 0 bytes and re-allocates it by resizing back, so this counter re-reads the size of every
 live storage after each op instead of trusting the size at creation. The peak is taken over the
@@ -55,16 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..specs import Setup, SpecError
-from .distributed import (
-    OTHER_BASES,
-    TINY_BASE,
-    TINY_SEQ,
-    RankPeak,
-    failed_launch_rows,
-    launch_ranks,
-    tiny_config,
-    tiny_model,
-)
+from .live import SplitCounter
+from .ranks import RankPeak, failed_launch_rows, launch_ranks, saved_checkpoint
+from .tiny import OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_config, tiny_model
 
 # ----------------------------------------------------------------------------------------------
 # results
@@ -82,11 +76,6 @@ class FsdpRun:
     @property
     def worst(self) -> RankPeak:
         return max(self.ranks, key=lambda r: r.device_bytes)
-
-
-def is_data_parallel(setup: Setup) -> bool:
-    """DDP: several GPUs, neither ZeRO nor FSDP."""
-    return setup.gpus > 1 and not setup.zero_stage and setup.fsdp == "none"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,29 +122,24 @@ def _worker(job_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _resizing_counter_class():
-    from .distributed import _split_counter_class
+class ResizingCounter(SplitCounter):
+    """SplitCounter that re-reads every live storage's size after each op: FSDP frees and
+    re-allocates unsharded flat parameters by resizing their storage in place."""
 
-    class ResizingCounter(_split_counter_class()):
-        """SplitCounter that re-reads every live storage's size after each op: FSDP frees and
-        re-allocates unsharded flat parameters by resizing their storage in place."""
+    def __init__(self) -> None:
+        super().__init__(detail=False)
 
-        def __init__(self) -> None:
-            super().__init__(detail=False)
-
-        def _observe(self) -> None:
-            for sid, ref in list(self._refs.items()):
-                st = ref()
-                if st is None:
-                    continue
-                n = st.nbytes()
-                old = self.live.get(sid)
-                if old is not None and n != old:
-                    self.live[sid] = n
-                    self.current_bytes += n - old
-            super()._observe()
-
-    return ResizingCounter
+    def _observe(self) -> None:
+        for sid, ref in list(self._refs.items()):
+            st = ref()
+            if st is None:
+                continue
+            n = st.nbytes()
+            old = self.live.get(sid)
+            if old is not None and n != old:
+                self.live[sid] = n
+                self.current_bytes += n - old
+        super()._observe()
 
 
 def _fsdp_plugin(setup: Setup, model):
@@ -182,9 +166,9 @@ def _fsdp_plugin(setup: Setup, model):
 
 
 def _mixed_precision(setup: Setup) -> str:
-    from ..emit.accelerate import _MIXED_PRECISION
+    from ..emit.accelerate import MIXED_PRECISION
 
-    return _MIXED_PRECISION[setup.precision]
+    return MIXED_PRECISION[setup.precision]
 
 
 def _trainer_groups(model):
@@ -200,10 +184,9 @@ def _build_model(config: dict, setup: Setup, work: str = ""):
     import torch
     import transformers
 
-    from ..tracer import _hf_config
-    from .cpu_truth import adapt_for_training
+    from .models import adapt_for_training, hf_config
 
-    hf_cfg = _hf_config(config, None)
+    hf_cfg = hf_config(config, None)
     hf_cfg.use_cache = False
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -220,22 +203,21 @@ def _build_model(config: dict, setup: Setup, work: str = ""):
 def _quantized_base(config: dict, setup: Setup, dtype, work: str):
     """A bitsandbytes base as the emitted train.py loads it under FSDP: the random checkpoint
     (saved once by rank 0) reloaded with 4-bit weights packed in ``bnb_4bit_quant_storage`` (the
-    load dtype, emit/trainer.py ``_quant_storage``), no device_map (FSDP places the shards).
+    load dtype, :func:`vramplan.emit.trainer.quant_storage`), no device_map (FSDP places the shards).
     Without ``prepare_model_for_kbit_training``: it casts the norms and embeddings to fp32 beside
     the 16-bit packed weights, and FSDP refuses a unit of mixed dtypes ("Must flatten tensors with
     uniform dtype"); TRL's SFTTrainer skips it for sharded QLoRA too."""
     import torch
     import transformers
 
-    from ..emit.trainer import _quant_storage
-    from .distributed import _saved_checkpoint
+    from ..emit.trainer import quant_storage
 
-    path = _saved_checkpoint(config, dtype, work)
+    path = saved_checkpoint(config, dtype, work)
     compute = torch.float16 if setup.precision.startswith("fp16") else torch.bfloat16
     # (Setup refuses LLM.int8 under FSDP: FSDP cannot flatten integer tensors)
     qcfg = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=setup.quant, bnb_4bit_use_double_quant=setup.double_quant,
-        bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=getattr(torch, _quant_storage(setup)))
+        bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=getattr(torch, quant_storage(setup)))
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, quantization_config=qcfg, dtype=dtype, attn_implementation="sdpa", use_cache=False)
 
@@ -320,7 +302,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
 
     model = _build_model(config, setup, work)
     offload = setup.fsdp != "none" and setup.offload_params == "cpu"
-    counter = _resizing_counter_class()()
+    counter = ResizingCounter()
     counter.track(model, quant_state_tensors(model))
     ids = torch.randint(0, spec.vocab_size, (setup.batch, seq), generator=torch.Generator().manual_seed(1))
     with counter:

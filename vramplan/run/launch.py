@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_text
-from . import release_deepspeed_shm
+from . import free_port, release_deepspeed_shm
 
 #: Seconds between SIGTERM and SIGKILL when a run is stopped.
 KILL_GRACE_S = 5.0
@@ -45,12 +44,6 @@ IMPORT_ALLOWANCE_S = 120.0
 def worker_command(*request_paths: str | os.PathLike) -> list[str]:
     """The command that runs requests: ``python -m vramplan.run.worker REQUEST.json ...``."""
     return [sys.executable, "-m", "vramplan.run.worker", *map(str, request_paths)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_request(request: dict, workdir: Path, name: str) -> dict:
@@ -110,7 +103,7 @@ def run_one(request: dict, workdir: str | os.PathLike, timeout_s: float) -> dict
     workdir.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[tuple[subprocess.Popen, dict, Path]] = []
-    port = str(_free_port())
+    port = str(free_port())
     for rank in range(world_size):
         name = "run" if world_size == 1 else f"rank{rank}"
         req = _write_request(request, workdir, name)

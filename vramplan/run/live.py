@@ -1,4 +1,5 @@
-"""Peak of live tensor storage bytes in a real run, counted the way the tracer counts fake ones.
+"""Peak of live tensor storage bytes: the one counter of every torch path (real runs, and the
+tracer's fake tensors through its subclass in :mod:`vramplan.run.tracer`).
 
     counter = LiveTensorCounter()
     counter.track(model, optimizer)          # what exists before the counter starts
@@ -15,13 +16,21 @@ The number is what ``torch.cuda.max_memory_allocated`` would see without allocat
 "tensor peak" of the Breakdown. Storages on other device types are ignored (``device=None`` counts
 all). Memory a library allocates outside torch (bitsandbytes' paged buffers, DeepSpeed's C++
 kernels) is invisible here, as it is to torch's allocator.
+
+:class:`SplitCounter` (the DeepSpeed and FSDP truths) keeps the offloaded host part of the live
+bytes apart from what a GPU would hold.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Self
 
 
 class LiveTensorCounter:
@@ -66,18 +75,21 @@ class LiveTensorCounter:
                 self.track(*obj)
         self._observe()
 
-    def _track(self, tensor) -> None:
+    def _track(self, tensor) -> int | None:
+        """Count ``tensor``'s storage while it lives (once, however many tensors view it); its
+        id, or None when it is not counted (another device type, meta, no storage). No observing:
+        that is :meth:`_observe`'s, after each op."""
         if self.device is not None and tensor.device.type != self.device:
-            return
+            return None
         if tensor.is_meta:
-            return
+            return None
         try:
             st = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-            return
+            return None
         key = id(st)
         if key in self._by_obj:
-            return
+            return self._by_obj[key]
         sid = next(self._ids)
         n = st.nbytes()
         self._by_obj[key] = sid
@@ -90,10 +102,14 @@ class LiveTensorCounter:
             self._refs.pop(sid, None)
 
         self._refs[sid] = weakref.ref(st, _free)
+        return sid
+
+    def sid_of(self, tensor) -> int | None:
+        """The id under which ``tensor``'s storage is counted, or None if it is not."""
+        return self._by_obj.get(id(tensor.untyped_storage()))
 
     def _observe(self) -> None:
-        if self.current_bytes > self.peak_bytes:
-            self.peak_bytes = self.current_bytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         if self._phase is not None and self.current_bytes > self.phase_peaks.get(self._phase, 0):
             self.phase_peaks[self._phase] = self.current_bytes
 
@@ -110,7 +126,7 @@ class LiveTensorCounter:
         self.phase_peaks = {}
 
     # -- the dispatch mode -------------------------------------------------------------------
-    def __enter__(self) -> "LiveTensorCounter":
+    def __enter__(self) -> Self:
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
@@ -130,6 +146,93 @@ class LiveTensorCounter:
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         mode, self._mode = self._mode, None
         mode.__exit__(*exc)
+
+
+class SplitCounter(LiveTensorCounter):
+    """LiveTensorCounter that keeps a host part apart: storages marked host (by owner, or
+    allocated while ``host_context`` is set) count to ``host_peak`` and not to the device."""
+
+    def __init__(self, detail: bool = False) -> None:
+        super().__init__(device="cpu")
+        self.detail = detail
+        self.sites: dict[int, str] = {}
+        self.at_peak: dict[int, int] = {}
+        self.host_context = False
+        self.host_sids: set[int] = set()
+        self.measuring = False
+        self.device_peak = 0
+        self.device_phase = ""
+        self.device_phase_peaks: dict[str, int] = {}
+        self.host_peak = 0
+
+    def _track(self, tensor) -> int | None:
+        before = self._by_obj.get(id(tensor.untyped_storage())) if not tensor.is_meta else None
+        counted = super()._track(tensor)
+        if self.detail and before is None and not tensor.is_meta:
+            sid = self._by_obj.get(id(tensor.untyped_storage()))
+            if sid is not None and sid not in self.sites:
+                self.sites[sid] = f"{str(tensor.dtype)[6:]}{list(tensor.shape)} {creation_site()} [{self._phase}]"
+        if self.host_context and before is None and not tensor.is_meta:
+            sid = self._by_obj.get(id(tensor.untyped_storage()))
+            if sid is not None:
+                self.host_sids.add(sid)
+        return counted
+
+    def host_steps(self, optimizer) -> None:
+        """Count what ``optimizer.step()`` allocates as host memory (it steps on the host)."""
+
+        def _pre(*_a):
+            self.host_context = True
+
+        def _post(*_a):
+            self.host_context = False
+
+        optimizer.register_step_pre_hook(_pre)
+        optimizer.register_step_post_hook(_post)
+
+    def mark_host(self, tensors) -> None:
+        for t in tensors:
+            self._track(t)
+            sid = self._by_obj.get(id(t.untyped_storage()))
+            if sid is not None:
+                self.host_sids.add(sid)
+        self._observe()
+
+    def host_live(self) -> int:
+        dead = [s for s in self.host_sids if s not in self.live]
+        for s in dead:
+            self.host_sids.discard(s)
+        return sum(self.live[s] for s in self.host_sids)
+
+    def _observe(self) -> None:
+        super()._observe()
+        if not self.measuring:
+            return
+        host = self.host_live()
+        dev = self.current_bytes - host
+        self.host_peak = max(self.host_peak, host)
+        if dev > self.device_peak:
+            self.device_peak, self.device_phase = dev, self._phase or ""
+            if self.detail and not os.environ.get("VRAMPLAN_DETAIL_PHASE"):
+                self.at_peak = {s: n for s, n in self.live.items() if s not in self.host_sids}
+        if self._phase is not None and dev > self.device_phase_peaks.get(self._phase, 0):
+            self.device_phase_peaks[self._phase] = dev
+            if self.detail and os.environ.get("VRAMPLAN_DETAIL_PHASE") == self._phase:
+                self.at_peak = {s: n for s, n in self.live.items() if s not in self.host_sids}
+
+    def start_measuring(self) -> None:
+        self.measuring = True
+        self.device_peak, self.device_phase, self.device_phase_peaks, self.host_peak = 0, "", {}, 0
+        self._observe()
+
+
+def creation_site() -> str:
+    """The innermost DeepSpeed/transformers frames that allocated a tensor (diagnostics)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack(limit=24)
+              if "site-packages" in f.filename and "/torch/" not in f.filename]
+    return " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[::-1][:3]) or "?"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .specs import LinearSpec, ModelSpec, SpecError
+from ..specs import LinearSpec, ModelSpec, SpecError
 
 
 def model_spec_from_meta(config: dict, *, name: str, source: str = "") -> ModelSpec:

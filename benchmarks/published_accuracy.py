@@ -1,0 +1,59 @@
+"""Estimate vs published real-GPU peaks (calibration/published/records.jsonl). Prints; asserts nothing.
+
+    python benchmarks/published_accuracy.py            # per-row table, per-group summary, excluded rows with reasons
+    python benchmarks/published_accuracy.py --json     # the same, machine-readable
+    python benchmarks/published_accuracy.py --records PATH
+
+Comparable rows: HF modelling code, exact lengths, every knob expressible, a config we hold, a
+quantity we predict (calibration/published/README.md). error = estimate / measured - 1; "under"
+is the share of rows under-estimated by more than 3 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from vramplan.published import UNDER, compare, excluded, exclusion_counts, load_records, summarize
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--records", default=None, help="records JSONL (default: calibration/published/records.jsonl)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    records = load_records(args.records)
+    rows = sorted(compare(records), key=lambda r: r.error)
+    summary = summarize(rows)
+    out = excluded(records)
+    if args.json:
+        print(json.dumps({"rows": [dict(r.__dict__, error=r.error) for r in rows],
+                          "summary": [s.__dict__ for s in summary],
+                          "excluded": [e.__dict__ for e in out]}, indent=2))
+        return
+    print(f"{'id':58s} {'family':8s} {'method':6s} {'quantity':9s} {'meas GiB':>9s} {'est GiB':>8s} {'error':>8s} "
+          f"{'phase':9s} approx")
+    for r in rows:
+        print(f"{r.id[:58]:58s} {r.family:8s} {r.method:6s} {r.quantity:9s} {r.measured_bytes / 2**30:9.2f} "
+              f"{r.estimated_bytes / 2**30:8.2f} {r.error:+8.1%} {r.phase:9s} {'yes' if r.approximated else ''}")
+    print()
+    print(f"{'group':12s} {'key':42s} {'rows':>4s} {'median|e|':>9s} {'p90|e|':>8s} {'worst':>8s} "
+          f"{'under>' + format(UNDER, '.0%'):>9s}")
+    for s in summary:
+        print(f"{s.group:12s} {s.key[:42]:42s} {s.rows:4d} {s.median_abs_error:9.1%} {s.p90_abs_error:8.1%} "
+              f"{s.worst_error:+8.1%} {s.under_share:9.0%}")
+    print()
+    print(f"{len(records)} records: {len(rows)} comparable, {len(out)} excluded")
+    for reason, n in exclusion_counts(records):
+        print(f"  {n:4d}  {reason}")
+    print()
+    print("excluded rows")
+    for e in out:
+        print(f"  {e.id[:60]:60s} {e.source:40s} {e.reason}")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Published throughput records (calibration/throughput/) and the comparison arithmetic of
+vramplan.throughput. The accuracy bar itself (median predicted/measured 0.85-1.15, >= 85 % of pairs
+ordered) is printed by benchmarks/throughput_accuracy.py, not asserted here yet."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from vramplan import estimate
+from vramplan.profiles import load_gpu, load_model
+from vramplan.specs import Setup
+from vramplan.throughput import (
+    RECORDS_PATH,
+    ThroughputRow,
+    comparable,
+    compare,
+    load_records,
+    pairs,
+    record_setup,
+    summarize,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "calibration" / "throughput" / "build.py"
+SCHEMAS = ROOT / "docs" / "schema"
+#: comparable rows collected so far (fms-acceleration refs/a100_80gb.csv): fewer means a source or a
+#: mapping was lost
+MIN_COMPARABLE = 19
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    return load_records()
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("throughput_build", BUILD)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_records_hold_the_schema(records):
+    jsonschema = pytest.importorskip("jsonschema")
+    referencing = pytest.importorskip("referencing")
+    schema = json.loads((SCHEMAS / "throughput_record.json").read_text())
+    setup = json.loads((SCHEMAS / "setup.schema.json").read_text())
+    registry = referencing.Registry().with_resources(
+        [(s["$id"], referencing.Resource.from_contents(s)) for s in (schema, setup)])
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema, registry=registry)
+    for r in records:
+        validator.validate(r)
+    assert len({r["id"] for r in records}) == len(records), "record ids must be unique"
+
+
+def test_every_comparable_setup_is_valid_for_its_model(records):
+    for r in comparable(records):
+        setup = record_setup(r)
+        assert setup.to_dict() == r["setup"], r["id"]  # no key dropped or defaulted differently
+        assert setup.gpus == r["gpu_count"], r["id"]
+        load_gpu(r["gpu"])
+        estimate(load_model(r["model"]), setup)  # raises on a setup the model cannot take
+
+
+def test_build_is_deterministic_and_matches_the_committed_records():
+    build = _build_module()
+    first, second = build.render(build.build_records()), build.render(build.build_records())
+    assert first == second
+    assert first == RECORDS_PATH.read_text(), "records.jsonl is stale: run python calibration/throughput/build.py"
+
+
+def test_comparable_rows_do_not_drop_below_what_was_collected(records):
+    rows = comparable(records)
+    assert len(rows) >= MIN_COMPARABLE, f"{len(rows)} comparable rows, collected {MIN_COMPARABLE}"
+    assert all(r["tokens_per_s_per_gpu"] and r["exclusion"] is None for r in rows)
+    assert all(r["exclusion"] for r in records if not r["comparable"])
+
+
+def _row(i: int, model: str, gpus: int, measured: float, predicted: float) -> ThroughputRow:
+    return ThroughputRow(id=f"r{i}", model=model, gpu="a100-80gb", gpus=gpus, setup=Setup(gpus=gpus),
+                         measured_tokens_per_s=measured, predicted_tokens_per_s=predicted)
+
+
+def test_pairs_median_and_ordering_on_a_hand_made_example():
+    rows = [
+        _row(0, "m", 1, 100.0, 90.0),   # ratio 0.90
+        _row(1, "m", 1, 104.0, 80.0),   # within 5 % of r0: no pair with it; ratio 0.769
+        _row(2, "m", 1, 120.0, 132.0),  # pairs with r0 (ordered) and r1 (ordered); ratio 1.10
+        _row(3, "m", 1, 80.0, 95.0),    # pairs with r0 and r1 (both not ordered), r2 (ordered); ratio 1.1875
+        _row(4, "m", 2, 50.0, 50.0),    # other GPU count: no pair with the above; ratio 1.0
+        _row(5, "n", 1, 200.0, 90.0),   # other model: no pair; ratio 0.45
+        _row(6, "m", 2, 60.0, 50.0),    # pairs with r4, predicted tie: not ordered; ratio 0.833
+    ]
+    ps = pairs(rows)
+    assert [(p.a.id, p.b.id) for p in ps] == [("r0", "r2"), ("r0", "r3"), ("r1", "r2"), ("r1", "r3"), ("r2", "r3"),
+                                              ("r4", "r6")]
+    assert [p.ordered for p in ps] == [True, False, True, False, True, False]
+    s = summarize(rows)
+    assert (s.pairs, s.pairs_ordered) == (6, 3)
+    assert s.pair_share == pytest.approx(0.5)
+    assert s.median_ratio == pytest.approx(0.90)  # sorted: .45 .769 .833 .90 1.0 1.10 1.1875
+    assert (s.min_ratio, s.max_ratio) == (pytest.approx(0.45), pytest.approx(1.1875))
+    assert s.spread == pytest.approx(1.1875 / 0.45)
+
+
+def test_compare_predicts_every_comparable_row(records):
+    rows = compare(records)
+    assert len(rows) == len(comparable(records))
+    assert all(r.predicted_tokens_per_s > 0 and r.measured_tokens_per_s > 0 for r in rows)
+
+
+def test_cost_fit_prototype_fits_and_predicts(records):
+    pytest.importorskip("numpy")
+    from vramplan import cost_fit
+
+    fit = cost_fit.fit(records)
+    assert set(fit.constants) == set(cost_fit.FITTED)
+    assert all(v >= 0 for v in fit.constants.values())
+    assert set(fit.residuals) == {r["id"] for r in comparable(records)}
+    rows = compare(records, cost_fit.predictor(fit.constants))
+    assert len(rows) == len(comparable(records))

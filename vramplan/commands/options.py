@@ -1,0 +1,284 @@
+"""What the commands share: one-line errors and warnings, the setup and GPU options, JSON output.
+
+Errors a user can fix (``SpecError``, unreadable files, bad sizes) print one line,
+``error: <message>``, on stderr and exit 2, as click's own usage errors do; warnings print
+``warning: <message>`` on stderr and leave the exit code alone.
+
+The setup options are defined once, in :data:`SETUP_OPTIONS`: :func:`setup_options` adds them
+all to a command as settings with the canonical step's defaults (``estimate``, ``trace``,
+``measure``), :func:`knob_options` adds a chosen few as knobs that default to None (``plan``
+searches the ones not given). Light at import: click and vramplan's torch-free modules only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import click
+
+from ..specs import (
+    ATTENTIONS,
+    FSDP_MODES,
+    LOSSES,
+    METHODS,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTS,
+    Setup,
+    SpecError,
+)
+
+__all__ = ["FLAG", "LORA_FIELDS", "SETUP_FIELDS", "SETUP_OPTIONS", "SetupOption", "fail", "given_fields",
+           "gpu_options", "knob_options", "load_model_checked", "make_setup", "print_json", "quiet_libraries",
+           "setting_option", "setup_options", "user_errors", "warn", "warn_lora_unused"]
+
+_DEFAULT = Setup()
+
+# ----------------------------------------------------------------------------------------------
+# Errors and warnings
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` as one line on stderr and exit 2."""
+    line = " ".join(str(message).split()) or "invalid input"
+    click.echo(f"error: {line}", err=True)
+    raise SystemExit(2)
+
+
+def warn(message: str) -> None:
+    """Print ``warning: message`` as one line on stderr."""
+    click.echo(f"warning: {' '.join(str(message).split())}", err=True)
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (e.g. under a test runner)
+        pass
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn the errors a user can act on into one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SpecError as exc:
+            fail(str(exc))
+        except BrokenPipeError:
+            # stdout closed early (`vramplan models | head`): not an error of the user's input
+            _silence_stdout()
+            raise SystemExit(1) from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+            fail(f"{where}{exc.strerror or exc}")
+
+    return wrapper
+
+
+def print_json(obj: Any) -> None:
+    """Print ``obj`` as indented JSON on stdout."""
+    click.echo(json.dumps(obj, indent=2))
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries the tracer drives from printing to stderr: their deprecation warnings
+    and bitsandbytes' note about optional CPU kernels are about their code, not the user's setup."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|transformers|peft)\.")
+    for name in ("bitsandbytes", "transformers", "peft", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup options: defined once, shared by every command that takes a setup
+
+
+def _stage(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupOption:
+    """The option that sets one Setup field: its flag (``--name/--no-name`` for a switch), type,
+    and help as a setting whose default is the canonical step's."""
+
+    field: str
+    flag: str
+    type: Any = None
+    help: str | None = None
+    show_default: bool = True
+    callback: Callable | None = None
+
+    @property
+    def name(self) -> str:
+        """The flag a user types to set it (what messages name)."""
+        return self.flag.split("/", 1)[0]
+
+    def setting(self, help_text: str | None = None) -> Callable:
+        """The click option with the canonical step's value as its default (and ``help_text``,
+        when given, instead of the usual help)."""
+        default = getattr(_DEFAULT, self.field)
+        if self.callback is not None:  # a choice of strings converted back (the ZeRO stage)
+            default = str(default)
+        return click.option(self.flag, self.field, type=self.type, default=default, show_default=self.show_default,
+                            help=help_text or self.help, callback=self.callback)
+
+    def knob(self, help_text: str | None) -> Callable:
+        """The click option defaulting to None (not given), with ``help_text`` for that use."""
+        return click.option(self.flag, self.field, type=self.type, default=None, help=help_text,
+                            callback=self.callback)
+
+
+#: Every setup option, in the order ``--help`` lists them.
+SETUP_OPTIONS: tuple[SetupOption, ...] = (
+    SetupOption("method", "--method", click.Choice(METHODS),
+                "Full fine-tuning, LoRA adapters, or LoRA on a 4-bit base."),
+    SetupOption("lora_rank", "--lora-rank", int, "LoRA rank r."),
+    SetupOption("lora_alpha", "--lora-alpha", int, "LoRA alpha  [default: 2 x rank]", show_default=False),
+    SetupOption("lora_dropout", "--lora-dropout", float),
+    SetupOption("lora_targets", "--lora-targets", None,
+                "'all-linear' or comma-separated module names (q_proj,v_proj)."),
+    SetupOption("quant", "--quant", click.Choice(QUANTS),
+                "Base-weight quantization (qlora implies nf4; gptq/awq: a pre-quantized checkpoint, --method lora)."),
+    SetupOption("quant_bits", "--quant-bits", int, "GPTQ/AWQ bits per weight (gptq: 2, 3, 4, 8; awq: 4)."),
+    SetupOption("quant_group_size", "--quant-group-size", int,
+                "GPTQ/AWQ input channels per scale group (-1: per output channel)."),
+    SetupOption("double_quant", "--double-quant/--no-double-quant", None,
+                "Quantize the 4-bit scales too (bitsandbytes bnb_4bit_use_double_quant)."),
+    SetupOption("precision", "--precision", click.Choice(PRECISIONS)),
+    SetupOption("optimizer", "--optimizer", click.Choice(OPTIMIZERS)),
+    SetupOption("checkpointing", "--checkpointing/--no-checkpointing", None,
+                "HF gradient checkpointing (use_reentrant=False)."),
+    SetupOption("attn", "--attn", click.Choice(ATTENTIONS),
+                "Attention implementation; auto is what transformers picks for the family."),
+    SetupOption("batch", "--batch", int, "Micro-batch size per GPU."),
+    SetupOption("seq", "--seq", int, "Sequence length in tokens."),
+    SetupOption("grad_accum", "--grad-accum", int, "Gradient accumulation steps."),
+    SetupOption("zero_stage", "--zero", click.Choice(["0", "1", "2", "3"]), "DeepSpeed ZeRO stage.",
+                callback=_stage),
+    SetupOption("offload_optimizer", "--offload-optimizer", click.Choice(OFFLOADS),
+                "ZeRO optimizer offload (needs --zero 1/2/3)."),
+    SetupOption("offload_params", "--offload-params", click.Choice(OFFLOADS),
+                "ZeRO parameter offload (needs --zero 3); with --fsdp, FSDP's CPU offload."),
+    SetupOption("fsdp", "--fsdp", click.Choice(FSDP_MODES),
+                "PyTorch FSDP sharding (accelerate's FSDP1) instead of ZeRO."),
+    SetupOption("gpus", "--gpus", int, "Number of GPUs (data parallel)."),
+    SetupOption("loss", "--loss", click.Choice(LOSSES),
+                "hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk."),
+    SetupOption("pad_mask", "--pad-mask/--no-pad-mask", None,
+                "Batches carry a padded attention_mask (SDPA gets an explicit mask)."),
+)
+
+_BY_FIELD = {o.field: o for o in SETUP_OPTIONS}
+
+#: Setup field -> the option that sets it, so validation messages name what the user typed.
+FLAG: dict[str, str] = {o.field: o.name for o in SETUP_OPTIONS}
+
+#: The Setup's fields (every one has an option).
+SETUP_FIELDS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(Setup))
+
+#: The options that only LoRA reads.
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def setup_options(fn: Callable) -> Callable:
+    """Add every setup option to a command; the command receives them as one ``setup`` (a Setup)."""
+
+    @functools.wraps(fn)
+    @user_errors
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        values = {k: kwargs.pop(k) for k in list(kwargs) if k in SETUP_FIELDS}
+        kwargs["setup"] = make_setup(values)
+        warn_lora_unused(values["method"], given_fields(LORA_FIELDS))
+        return fn(*args, **kwargs)
+
+    for option in reversed(SETUP_OPTIONS):
+        wrapper = option.setting()(wrapper)
+    return wrapper
+
+
+def setting_option(field: str, help_text: str | None = None) -> Callable:
+    """The one setup option of ``field`` as a setting with the canonical default (``--help``
+    says ``help_text`` when given)."""
+    return _BY_FIELD[field].setting(help_text)
+
+
+def knob_options(helps: dict[str, str | None]) -> Callable:
+    """Add the setup options named by ``helps`` (field -> help, in ``--help`` order) as knobs:
+    None when not given. ``vramplan plan`` fixes the knobs given and searches the others."""
+
+    def decorate(fn: Callable) -> Callable:
+        for field, help_text in reversed(helps.items()):
+            fn = _BY_FIELD[field].knob(help_text)(fn)
+        return fn
+
+    return decorate
+
+
+def make_setup(values: dict) -> Setup:
+    """A Setup from option values; its validation messages name the flags the user typed."""
+    try:
+        return Setup(**values)
+    except SpecError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        if field in FLAG:
+            message = FLAG[field] + message[len(field):]
+        raise SpecError(message) from None
+
+
+def given_fields(fields: Iterable[str]) -> list[str]:
+    """Those of ``fields`` (option names) the user typed on the command line."""
+    ctx = click.get_current_context()
+    return [k for k in fields if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE]
+
+
+def warn_lora_unused(method: str | None, given: Collection[str]) -> None:
+    """Warn about LoRA options given with --method full (they would be silently ignored)."""
+    if method != "full":
+        return
+    flags = [FLAG[k] for k in LORA_FIELDS if k in given]
+    if flags:
+        warn(f"{', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect with --method full")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU options and the model
+
+_GPU_OPTIONS = (
+    click.option("--gpu", "gpu_name", metavar="NAME", help="A shipped GPU (`vramplan gpus`), e.g. rtx-4090, a100-80gb."),
+    click.option("--gpu-memory", metavar="SIZE", help="Any GPU by its usable memory, e.g. 24GiB or 80GB."),
+)
+
+
+def gpu_options(fn: Callable) -> Callable:
+    """Add ``--gpu NAME`` and ``--gpu-memory SIZE`` (passed as ``gpu_name`` and ``gpu_memory``;
+    :func:`vramplan.inputs.resolve_gpu` turns them into a GpuSpec)."""
+    for option in reversed(_GPU_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def load_model_checked(model_name: str, setup: Setup, gpu=None):
+    """Resolve MODEL, check the setup against it and the GPU, print the warnings; return the ModelSpec."""
+    from ..profiles import load_model
+    from ..setup_checks import check
+
+    model = load_model(model_name)
+    for w in check(model, setup, gpu):
+        warn(w)
+    return model

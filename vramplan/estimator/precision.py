@@ -1,0 +1,72 @@
+"""The dtypes of a step: what activations, autocast's outputs and LoRA adapters are computed and
+kept in, for each precision, quantization and distribution setting, and the attention kernel.
+
+Read off transformers 5, peft, accelerate and DeepSpeed (see each function); used by the saved
+activations (estimator/activations.py), the step's transients and the ZeRO/FSDP terms.
+"""
+
+from __future__ import annotations
+
+from ..specs import ModelSpec, Setup
+from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
+
+
+def mixed(setup: Setup) -> bool:
+    """Mixed precision: fp32 weights and residual stream, matmuls and attention under autocast.
+    Not under DeepSpeed: accelerate leaves autocast to it (``native_amp`` is off for DeepSpeed)
+    and its bf16/fp16 engine casts the parameters to 16 bits (:func:`deepspeed_16bit`)."""
+    return setup.precision.endswith("-mixed") and not setup.zero_stage
+
+
+def deepspeed_16bit(setup: Setup) -> bool:
+    """DeepSpeed's bf16/fp16 engine (ZeRO with any precision but fp32) casts every floating-point
+    parameter of a model not built under ``zero.Init`` to 16 bits at ``initialize``
+    (``DeepSpeedEngine._cast_module_mixed_precision``): the fp32 weights of a ``-mixed`` load and
+    the embeddings, norms and head that ``prepare_model_for_kbit_training`` upcast on a quantized
+    base (which transformers never builds under ``zero.Init``) become 16-bit again."""
+    return bool(setup.zero_stage) and setup.precision != "fp32"
+
+
+def autocast_bytes(setup: Setup) -> int:
+    """Bytes of what autocast's lower-precision ops produce (matmuls, SDPA) under mixed
+    precision; otherwise the activations' dtype."""
+    if mixed(setup):
+        return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
+    return compute_bytes(setup)
+
+
+def compute_bytes(setup: Setup) -> int:
+    """Bytes per element of the activations. A quantized base is prepared for k-bit training
+    (peft ``prepare_model_for_kbit_training``), which upcasts the embeddings, norms and head to
+    fp32: the residual stream, every projection's output (bitsandbytes casts its matmul result
+    back to the input's dtype) and the logits are fp32; only the matmuls run in the compute dtype.
+    peft skips that upcast for a GPTQ base: its activations stay in the load dtype (an AWQ base is
+    upcast; its GEMM kernel casts each input to fp16 and the output back)."""
+    if setup.quant not in ("none", "gptq") and not deepspeed_16bit(setup) and setup.fsdp == "none":
+        return 4  # (under FSDP the base is not prepared: estimator/fsdp.py, _packed_layer)
+    return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
+
+
+def adapter_dtype_bytes(setup: Setup) -> int:
+    """Bytes per element of the LoRA adapters' weights and of what they compute. peft upcasts the
+    adapters to fp32 (``autocast_adapter_dtype=True``) and casts each adapter's input to that dtype.
+    DeepSpeed with bf16/fp16 casts every parameter to 16 bits at ``initialize``
+    (``DeepSpeedEngine._cast_module_mixed_precision``), the adapters included, except on a model
+    built under ``zero.Init``, whose parameters it leaves as they are: at stage 3 (transformers
+    loads the base under ``zero.Init``, peft adds its fp32 adapters after) they stay fp32, unless
+    the parameters are offloaded: stage 3 then copies the trainable partitions into 16-bit host
+    buffers (``param_groups_fp16_flat_cpu_memory``), which the adapters become views of. A
+    quantized base is never built under ``zero.Init`` (transformers creates it on the meta device
+    and loads it whole on every rank): stage 3 partitions it at ``initialize`` and casts it,
+    adapters included, like stage 1/2."""
+    if setup.fsdp != "none":  # FSDP's MixedPrecision computes the adapters on 16-bit copies
+        return 2 if setup.precision in ("bf16", "bf16-mixed", "fp16-mixed") else 4
+    if setup.precision == "fp32" or not setup.zero_stage:
+        return 4
+    if setup.zero_stage in (1, 2) or setup.offload_params != "none" or setup.quant != "none":
+        return 2  # a quantized base is not built under zero.Init: the engine casts it, adapters too
+    return 4
+
+
+def attention_impl(model: ModelSpec, setup: Setup) -> str:
+    return model.default_attn if setup.attn == "auto" else setup.attn

@@ -1,0 +1,368 @@
+"""One training step's memory per GPU: the estimate, in named steps.
+
+``estimate(model, setup, gpu)`` sums one pure function per memory term into a Breakdown and takes
+the peak as the maximum over the phases of a step (end of forward, backward, optimizer step), not
+the sum of all terms: optimizer transients and activations never coexist. The steps, in order:
+model states (weights, adapters, gradients, optimizer), the check of the setup, autocast's weight
+cache, ZeRO/FSDP/DDP's per-rank states, the activations, the moments of each phase, the device
+terms (workspaces, allocator, context) and the Breakdown's components.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..setup_checks import check
+from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
+from ..units import PRECISION_WEIGHT_DTYPE
+from . import activations as act
+from . import optimizers as opt_rules
+from . import transients
+from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
+from .distributed import StepActivations, ZeroMemory, zero_memory, zero_phase_peaks
+from .fsdp import FsdpMemory, ddp_bucket_bytes, fsdp_memory, fsdp_phase_peaks, is_ddp
+from .model_states import (
+    GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT,
+    adapter_bytes,
+    dequantization_transient_bytes,
+    gptq_saved_weights_bytes_per_layer,
+    gradient_bytes,
+    head_params,
+    optimizer_state_bytes,
+    optimizer_step_transient_bytes,
+    prequantized_linears,
+    trainable_params,
+    weight_dtype_bytes,
+    weights_bytes,
+)
+from .precision import compute_bytes
+
+
+def estimate(
+    model: ModelSpec,
+    setup: Setup,
+    gpu: GpuSpec | None = None,
+    corrections: Corrections = DEFAULT_CORRECTIONS,
+) -> Breakdown:
+    """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU)."""
+    single = _model_states(model, setup)
+    notes = check(model, setup, gpu)  # raises SpecError for a setup peft would refuse
+    cast = _autocast_cache(model, setup)
+    states = _per_rank_states(model, setup, single, cast)
+    acts = _activations(model, setup)
+    phase_peaks, recompute = _phase_peaks(model, setup, states, cast, acts)
+    phase = max(PHASES, key=lambda p: phase_peaks[p])
+    tensor_peak = phase_peaks[phase]
+
+    allocated, reserved, device_total, overheads = device_overheads(tensor_peak, setup.gpus, gpu, corrections)
+    # bitsandbytes' paged states are managed memory: on the device, outside torch's allocator
+    paged = opt_rules.paged_bytes(model, setup)
+    device_total += paged
+    return Breakdown(
+        model=model.name,
+        setup=setup,
+        tier="analytic",
+        components=_components(setup, states, acts, recompute, paged, overheads),
+        phase_peaks_bytes=phase_peaks,
+        phase=phase,
+        tensor_peak_bytes=int(tensor_peak),
+        peak_allocated_bytes=int(allocated),
+        peak_reserved_bytes=int(reserved),
+        device_total_bytes=int(device_total),
+        params_total=model.params_total,
+        params_trainable=trainable_params(model, setup),
+        host_bytes=int(states.host),
+        gpu=gpu,
+        notes=tuple(notes),
+        error_band=corrections.error_band,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# model states
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """What one GPU holds for the model itself, between and during the step."""
+
+    weights: int
+    adapters: int
+    gradients: int
+    optimizer_states: int
+    optimizer_step: int  # the optimizer step's transient
+    host: int = 0  # host RAM of an offload
+    cast_cache: int = 0  # autocast's half copies of the weights (forward to backward)
+    buffers: int = 0  # DeepSpeed's buckets and staging buffers, or DDP's gradient buckets
+    ddp_buckets: int = 0
+    fsdp_gathered: int = 0  # FSDP's unsharded root unit and one layer unit
+    zero: ZeroMemory | None = None
+    fsdp: FsdpMemory | None = None
+
+
+def _model_states(model: ModelSpec, setup: Setup) -> ModelStates:
+    """Weights, adapters, gradients, optimizer states and step transient of one unsharded GPU."""
+    return ModelStates(
+        weights=weights_bytes(model, setup), adapters=adapter_bytes(model, setup),
+        gradients=gradient_bytes(model, setup), optimizer_states=optimizer_state_bytes(model, setup),
+        optimizer_step=optimizer_step_transient_bytes(model, setup),
+    )
+
+
+@dataclass(frozen=True)
+class AutocastCache:
+    """Mixed precision: autocast casts each Linear weight to half once per forward and every
+    matmul keeps its copy for backward: all of them at the loss, freed layer by layer in backward."""
+
+    total: int = 0
+    head: int = 0  # the head's (or tied embedding's) copy
+    layer: float = 0.0  # one decoder layer's copies
+
+
+def _autocast_cache(model: ModelSpec, setup: Setup) -> AutocastCache:
+    cast_cache = cast_head = 0
+    if setup.precision in ("bf16-mixed", "fp16-mixed"):
+        # a quantized Linear runs bitsandbytes' own matmul (not autocast's): only the head casts
+        cast_cache = sum(l.count * l.weight_params for l in model.linears
+                         if setup.quant == "none" or l.role == "head") * 2
+        if model.tie_word_embeddings:  # the tied head casts the embedding matrix
+            cast_cache += model.vocab_size * model.hidden_size * 2
+        cast_head = sum(l.count * l.weight_params for l in model.linears if l.role == "head") * 2
+        if model.tie_word_embeddings:
+            cast_head += model.vocab_size * model.hidden_size * 2
+    return AutocastCache(cast_cache, cast_head, (cast_cache - cast_head) / max(model.num_layers, 1))
+
+
+def _per_rank_states(model: ModelSpec, setup: Setup, single: ModelStates, cast: AutocastCache) -> ModelStates:
+    """ZeRO: the rank's partitions, DeepSpeed's buckets and the offload (estimator/distributed.py);
+    FSDP: the rank's shards and the gathered units (estimator/fsdp.py); DDP: its gradient buckets.
+    Under ZeRO and FSDP the weights are cast once, at load, not by autocast."""
+    states = dataclasses.replace(single, cast_cache=cast.total)
+    if setup.zero_stage:
+        zm = zero_memory(model, setup, trainable_params(model, setup))
+        states = dataclasses.replace(
+            states, zero=zm, weights=zm.weights, adapters=0, cast_cache=0, gradients=zm.grad_partition,
+            optimizer_states=zm.master + zm.states, optimizer_step=zm.step, host=zm.host,
+            buffers=zm.buckets + zm.staging)
+    if setup.fsdp != "none":
+        fm = fsdp_memory(model, setup)
+        return dataclasses.replace(
+            states, fsdp=fm, weights=fm.shards, adapters=0, cast_cache=0, gradients=fm.grad_shards,
+            optimizer_states=fm.states, optimizer_step=fm.step, host=fm.host, fsdp_gathered=fm.root + fm.layer)
+    if is_ddp(setup):
+        ddp_buckets = ddp_bucket_bytes(states.gradients)
+        return dataclasses.replace(states, ddp_buckets=ddp_buckets, buffers=ddp_buckets)
+    return states
+
+
+# ----------------------------------------------------------------------------------------------
+# activations
+
+
+@dataclass(frozen=True)
+class StepActivationTerms:
+    """The activations of the step and the transients beside them (bytes unless per token)."""
+
+    setup: Setup  # the setup the activations are those of (FSDP's mixed load: its 16-bit step)
+    compute_bytes: int  # c: bytes per element of the activations
+    layer_kept: float  # bytes one layer keeps (its layer input alone, with checkpointing)
+    merged_total: float  # peft's merged MoE expert stacks, over the MoE layers
+    merged_layer: float  # one MoE layer's
+    dequantized_layer: float  # GPTQ: one layer's saved 16-bit weights
+    dequantized: int  # GPTQ: every layer's (0 with checkpointing)
+    layers: int  # what the decoder layers keep to the backward
+    model_io: int  # outside the layers: embeddings, final norm, fp32 log-probs
+    logits_forward: int
+    logits_backward: int
+    attention_backward: float  # the attention and norm gradient temporaries
+    dequantization: int  # a quantized Linear's backward dequantization
+    dequantization_forward: int  # one Linear dequantized in the forward (GPTQ; AWQ over 1024 rows)
+
+
+def _activation_setup(setup: Setup) -> Setup:
+    """FSDP's MixedPrecision runs the step on 16-bit copies of fp32-loaded weights: its activations
+    are those of the bf16/fp16 step (estimator/fsdp.py), not autocast's."""
+    fsdp_mixed_load = setup.fsdp != "none" and setup.precision.endswith("-mixed")
+    return setup.replace(precision=setup.precision[:4]) if fsdp_mixed_load else setup
+
+
+def _activations(model: ModelSpec, setup: Setup) -> StepActivationTerms:
+    """Per layer (token-sized, plus weight-sized for peft's merged MoE experts), outside the layers,
+    the loss, and the dequantization transients."""
+    aset = _activation_setup(setup)
+    N, L = setup.tokens, model.num_layers
+    layer_tok = act.layer_bytes_per_token(model, aset) * N
+    merged_total = act.moe_lora_weight_bytes(model, aset)
+    merged_layer = merged_total / model.moe.num_moe_layers if merged_total else 0
+    kept_tok = act.checkpoint_bytes_per_token(model, aset) * N if setup.checkpointing else layer_tok
+    # GPTQ: every quantized Linear saves its dequantized 16-bit weight (a checkpointed layer's
+    # only while it is recomputed)
+    D_layer = gptq_saved_weights_bytes_per_layer(model, setup)
+    A_deq = 0 if setup.checkpointing else int(L * D_layer)
+    A_layers = int(L * kept_tok + (0 if setup.checkpointing else merged_total)) + A_deq
+    A_glob = int(act.global_bytes_per_token(model, aset) * N)
+    logits_fwd, logits_bwd = transients.loss_transients(model, aset)
+    T_attn = transients.attention_backward_transient_per_token(model, aset) * N
+    T_deq = dequantization_transient_bytes(model, setup)
+    # a GPTQ forward dequantizes each Linear in turn (the largest counts); its backward reuses the
+    # saved copy, so only a recomputed (checkpointed) layer dequantizes again
+    T_deq_fwd = 0
+    if setup.quant == "gptq":
+        largest = max((l.weight_params for l in prequantized_linears(model)), default=0)
+        T_deq_fwd = GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT[setup.quant_bits] * largest - (0 if setup.checkpointing else 2 * largest)
+        if not setup.checkpointing:
+            T_deq = 0
+    elif setup.quant == "awq" and N > 1024:  # AwqGemmFn dequantizes the whole weight for > 1024 rows
+        T_deq_fwd = T_deq
+    return StepActivationTerms(
+        setup=aset, compute_bytes=compute_bytes(aset), layer_kept=kept_tok, merged_total=merged_total,
+        merged_layer=merged_layer, dequantized_layer=D_layer, dequantized=A_deq, layers=A_layers, model_io=A_glob,
+        logits_forward=logits_fwd, logits_backward=logits_bwd, attention_backward=T_attn, dequantization=T_deq,
+        dequantization_forward=T_deq_fwd,
+    )
+
+
+def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx: int) -> tuple[float, float]:
+    """(bytes layer ``idx``'s backward adds over the kept activations, that layer's kept bytes).
+
+    Recomputed with checkpointing, the layer's activations come back; then its MLP's
+    gradients appear while the whole layer is saved, or later the attention/norm gradients
+    once the MLP side is freed. A merged MoE layer's down stack gets a full gradient."""
+    aset, c, N, h = a.setup, a.compute_bytes, setup.tokens, model.hidden_size
+    attn_side, mlp_side = act.layer_split_per_token(model, aset, idx)
+    merged = a.merged_layer if act.is_moe_layer(model, idx) else 0
+    saved = (attn_side + mlp_side) * N + merged + a.dequantized_layer
+    t_mlp = transients.mlp_backward_transient_per_token(model, aset, idx) * N
+    if merged:
+        t_mlp += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
+    # the dequantized weight (down_proj's, first in the MLP's backward) appears beside the
+    # gradient its LoRA branch already produced; in a recomputed (checkpointed) layer the
+    # 4-bit copy peaks apart from them (read off the CPU truth: validate --knob quantization)
+    t_grad = max(t_mlp, a.attention_backward - mlp_side * N - merged)
+    apart = setup.checkpointing and setup.quant != "int8"
+    transient = max(t_grad, a.dequantization) if apart else t_grad + a.dequantization
+    kept = a.layer_kept if setup.checkpointing else saved
+    extra = (saved if setup.checkpointing else 0) + transient + c * N * h
+    if setup.checkpointing:  # the recomputed forward's widest LoRA projection
+        extra = max(extra, transients.lora_forward_peak_per_token(model, aset, idx) * N + c * N * h)
+    return extra, kept
+
+
+# ----------------------------------------------------------------------------------------------
+# the phases
+
+
+def _phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cast: AutocastCache,
+                 a: StepActivationTerms) -> tuple[dict[str, int], int]:
+    """The tensor peak of each phase, and the recompute term (checkpointing: one layer recomputed
+    with its gradient temporaries). ZeRO and FSDP place the same activation moments on their own
+    per-rank states (estimator/distributed.py, estimator/fsdp.py)."""
+    top_extra, _ = _layer_backward(model, setup, a, model.num_layers - 1)
+    bottom_extra, bottom_kept = _layer_backward(model, setup, a, 0)
+    recompute = int(max(top_extra, bottom_extra)) if setup.checkpointing else 0
+    if st.zero is None and st.fsdp is None:
+        return _single_gpu_phase_peaks(model, setup, st, cast, a, top_extra, bottom_extra, bottom_kept), recompute
+    c, N, h = a.compute_bytes, setup.tokens, model.hidden_size
+    A_layers = a.layers
+    step_acts = StepActivations(
+        at_loss=int(A_layers + a.model_io + a.logits_forward),
+        backward_start=int(A_layers + a.model_io + a.logits_backward),
+        top_layer=int(A_layers + top_extra), bottom_layer=int(bottom_kept + bottom_extra), end=int(c * N * h),
+        saved=int(A_layers))
+    if st.zero is not None:
+        return zero_phase_peaks(model, setup, st.zero, step_acts), recompute
+    return fsdp_phase_peaks(model, setup, st.fsdp, step_acts), recompute
+
+
+def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cast: AutocastCache,
+                            a: StepActivationTerms, top_extra: float, bottom_extra: float,
+                            bottom_kept: float) -> dict[str, int]:
+    """One GPU (or a DDP rank): the end of the forward, the moments of the backward (the loss, the
+    top layer, the bottom layer, the end) and the optimizer step."""
+    c, N, h, L = a.compute_bytes, setup.tokens, model.hidden_size, model.num_layers
+    W, A_w, G, S, T_opt = st.weights, st.adapters, st.gradients, st.optimizer_states, st.optimizer_step
+    cast_cache, A_layers = st.cast_cache, a.layers
+    merged_total, merged_layer = a.merged_total, a.merged_layer
+    accum_grads = G if setup.grad_accum > 1 else 0
+    base = W + A_w + S + st.buffers
+
+    at_loss = base + cast_cache + accum_grads + A_layers + a.model_io + a.logits_forward
+    # with checkpointing nothing inside a layer is saved, but a layer's forward still builds its
+    # merged expert stack (and routes k copies of the hidden states) while it runs
+    in_layer = 0
+    if setup.checkpointing and merged_total:
+        in_layer = base + cast_cache + accum_grads + A_layers + merged_layer + c * N * h * (model.moe.top_k + 2)
+    forward = max(at_loss, in_layer)
+    if a.dequantization_forward:  # the last layer's largest Linear being dequantized
+        forward = max(forward, base + cast_cache + accum_grads + A_layers + a.dequantization_forward + c * N * h)
+    start = base + cast_cache + accum_grads + A_layers + a.model_io + a.logits_backward
+    cast_top, cast_bottom = cast_cache - cast.head, cast.layer
+    if setup.method == "full":
+        G_head = head_params(model) * weight_dtype_bytes(setup)
+        G_layer = (G - G_head) / max(L, 1)
+        # with accumulation, every gradient exists from the first micro-batch on
+        first = base + cast_top + (G if accum_grads else G_head) + A_layers + top_extra
+        last = base + cast_bottom + (G if accum_grads else G - G_layer) + bottom_kept + bottom_extra
+        # tied embeddings: autograd's InputBuffer sums the head's and the embedding's gradient
+        # out of place, so both and their sum coexist before the parameter's .grad is set (with
+        # accumulation, beside the .grad of the earlier micro-batches)
+        tied = (3 if accum_grads else 2) if model.tie_word_embeddings else 0
+        end = base + G + tied * model.vocab_size * h * weight_dtype_bytes(setup) + c * N * h
+        backward = max(start, first, last, end)
+    else:
+        # the top layer's backward: log-probs and logits gradients are gone by then
+        first = base + cast_top + accum_grads + A_layers + top_extra
+        last = base + cast_bottom + G + bottom_kept + bottom_extra
+        backward = max(start, first, last, base + G)
+    optimizer = W + A_w + G + S + T_opt + st.buffers
+    return {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}
+
+
+# ----------------------------------------------------------------------------------------------
+# the Breakdown's components
+
+
+def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute: int, paged: int,
+                overheads: list) -> tuple[Component, ...]:
+    fb = ("forward", "backward")
+    A_layers, A_deq = a.layers, a.dequantized
+    T_deq, T_deq_fwd = a.dequantization, a.dequantization_forward
+    logits = max(a.logits_forward, a.logits_backward)
+    comps = [
+        Component("weights", st.weights, PHASES, note=_weights_note(setup) if st.fsdp is None else "this rank's FSDP shards"),
+        Component("adapters", st.adapters, PHASES, note="LoRA A/B in fp32") if st.adapters else None,
+        Component("autocast_weight_cache", st.cast_cache, fb, note="half copies of weights under autocast") if st.cast_cache else None,
+        Component("gradients", st.gradients, ("backward", "optimizer") if setup.grad_accum == 1 else PHASES),
+        Component("optimizer_states", st.optimizer_states, PHASES, note=setup.optimizer),
+        Component("paged_optimizer_states", paged, PHASES,
+                  note="cudaMallocManaged: in device_total, not in tensor peak/allocated/reserved") if paged else None,
+        Component("optimizer_step", st.optimizer_step, ("optimizer",), note="foreach step transient") if st.optimizer_step else None,
+        Component("activations", A_layers - A_deq if not setup.checkpointing else 0, fb, note="saved for backward"),
+        Component("dequantized_weights", A_deq, fb,
+                  note="GPTQ: each Linear's 16-bit weight, saved by torch.matmul for backward") if A_deq else None,
+        Component("dequantization", max(T_deq, T_deq_fwd), fb,
+                  note="one Linear's weight dequantized (estimate only: validate)")
+        if setup.quant in ("gptq", "awq") and max(T_deq, T_deq_fwd) else None,
+        Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb, note="layer inputs kept by checkpointing") if setup.checkpointing else None,
+        Component("recompute", recompute, ("backward",), note="one layer recomputed, with its gradient temporaries") if recompute else None,
+        Component("model_io_activations", a.model_io, fb, note="embeddings, final norm, fp32 log-probs"),
+        Component("logits_loss", logits, fb,
+                  note="logits, fp32 upcast and its gradient" if setup.loss == "hf" else f"one {transients.LOSS_CHUNK_TOKENS}-token chunk at a time (chunked loss)"),
+        Component("deepspeed_buffers", st.buffers, PHASES) if st.buffers and not st.ddp_buckets else None,
+        Component("ddp_buckets", st.ddp_buckets, PHASES, note="DDP gradient buckets (a copy of the gradients)") if st.ddp_buckets else None,
+        Component("fsdp_gathered", st.fsdp_gathered, PHASES, note="unsharded root unit + one layer unit (16-bit)") if st.fsdp_gathered else None,
+        *(Component(name, n, PHASES, note=note) for name, n, note in overheads),
+        Component("host_offload", st.host, PHASES, where="host") if st.host else None,
+    ]
+    return tuple(c_ for c_ in comps if c_ is not None)
+
+
+def _weights_note(setup: Setup) -> str:
+    if setup.quant in ("gptq", "awq"):
+        g = "per channel" if setup.quant_group_size == -1 else f"g{setup.quant_group_size}"
+        rest = "fp32 (k-bit prep)" if setup.quant == "awq" else PRECISION_WEIGHT_DTYPE[setup.precision]
+        return f"{setup.quant} {setup.quant_bits}-bit {g} base (packed int32 + fp16 scales); other params {rest}"
+    if setup.quant != "none":
+        return f"{setup.quant}{' + double quant' if setup.double_quant else ''} base; other params fp32"
+    return PRECISION_WEIGHT_DTYPE[setup.precision]

@@ -1,0 +1,165 @@
+"""Estimate vs published real-GPU peaks (calibration/published/records.jsonl; issue 13).
+
+Pure functions, no torch, no printing: ``load_records`` reads the records, ``compare`` estimates
+each comparable one and returns typed rows, ``summarize`` groups them (per source, method,
+quantity, family) and ``excluded`` lists the rows set aside with their reasons. The caller
+(``benchmarks/published_accuracy.py``, ``vramplan validate --published``) prints.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from .estimator import estimate
+from .profiles import load_gpu, load_model
+from .specs import Breakdown, ModelSpec, Setup, SpecError
+
+#: the records file in a source checkout (calibration/ does not ship in the wheel)
+RECORDS = Path(__file__).resolve().parents[1] / "calibration" / "published" / "records.jsonl"
+
+#: record quantity -> the Breakdown number it is compared with
+QUANTITY_FIELD = {"allocated": "peak_allocated_bytes", "reserved": "peak_reserved_bytes",
+                  "device_total": "device_total_bytes"}
+
+#: an under-estimate beyond this share of the measurement counts against the estimator
+UNDER = 0.03
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """One comparable record against its estimate. ``error`` = estimated / measured - 1."""
+
+    id: str
+    source: str  # repository
+    model: str
+    method: str
+    quantity: str
+    family: str  # model_type
+    estimated_bytes: int
+    measured_bytes: int
+    phase: str
+    approximated: bool  # the record lists approximations (knobs close to, not exactly, a Setup)
+
+    @property
+    def error(self) -> float:
+        return self.estimated_bytes / self.measured_bytes - 1
+
+
+@dataclass(frozen=True)
+class Excluded:
+    id: str
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One group of rows: count, median and 90th percentile of |error|, the worst error (signed)
+    and the share of rows under-estimated by more than ``UNDER``."""
+
+    group: str  # source | method | quantity | family | approximated | all
+    key: str
+    rows: int
+    median_abs_error: float
+    p90_abs_error: float
+    worst_error: float
+    under_share: float
+
+
+def load_records(path: str | Path | None = None) -> list[dict]:
+    with open(path or RECORDS) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def resolve_model(ref: str) -> ModelSpec:
+    """A record's model: a shipped name, else a config added under profiles/models/ by HF id."""
+    try:
+        return load_model(ref)
+    except SpecError:
+        file = resources.files("vramplan.profile_data") / "models" / (ref.replace("/", "--") + ".json")
+        if not file.is_file():
+            raise
+        return load_model(str(file))
+
+
+def estimate_record(record: dict) -> Breakdown:
+    return estimate(resolve_model(record["model"]), Setup.from_dict(record["setup"]), load_gpu(record["gpu"]))
+
+
+def record_family(record: dict) -> str:
+    return resolve_model(record["model"]).model_type
+
+
+def compare(records: Iterable[dict], estimator: Callable[[dict], Breakdown] = estimate_record,
+            family: Callable[[dict], str] = record_family) -> list[PublishedRow]:
+    """Every comparable record against its estimate (the number for its quantity); ``estimator``
+    and ``family`` are seams for tests."""
+    rows = []
+    for r in records:
+        if not r["comparable"]:
+            continue
+        est = estimator(r)
+        rows.append(PublishedRow(
+            id=r["id"], source=r["source"]["repo"], model=r["model"], method=r["setup"]["method"],
+            quantity=r["quantity"], family=family(r),
+            estimated_bytes=int(getattr(est, QUANTITY_FIELD[r["quantity"]])), measured_bytes=int(r["measured_bytes"]),
+            phase=est.phase, approximated=bool(r.get("approximations"))))
+    return rows
+
+
+def excluded(records: Iterable[dict]) -> list[Excluded]:
+    return [Excluded(r["id"], r["source"]["repo"], r["exclusion"]) for r in records if not r["comparable"]]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary_of(group: str, key: str, rows: list[PublishedRow]) -> Summary:
+    errs = [r.error for r in rows]
+    absd = [abs(e) for e in errs]
+    return Summary(group=group, key=key, rows=len(rows), median_abs_error=statistics.median(absd),
+                   p90_abs_error=_percentile(absd, 0.9), worst_error=max(errs, key=abs),
+                   under_share=sum(e < -UNDER for e in errs) / len(errs))
+
+
+GROUPS: dict[str, Callable[[PublishedRow], str]] = {
+    "source": lambda r: r.source,
+    "method": lambda r: r.method,
+    "quantity": lambda r: r.quantity,
+    "family": lambda r: r.family,
+    "approximated": lambda r: "approximated" if r.approximated else "exact",
+}
+
+
+def summarize(rows: list[PublishedRow]) -> list[Summary]:
+    """All rows, then one summary per value of each group (keys sorted)."""
+    if not rows:
+        return []
+    out = [summary_of("all", "all", rows)]
+    for group, key in GROUPS.items():
+        by: dict[str, list[PublishedRow]] = {}
+        for r in rows:
+            by.setdefault(key(r), []).append(r)
+        out += [summary_of(group, k, by[k]) for k in sorted(by)]
+    return out
+
+
+def exclusion_counts(records: Iterable[dict]) -> list[tuple[str, int]]:
+    """How many records each first exclusion reason sets aside, most first (ties by reason)."""
+    counts: dict[str, int] = {}
+    for e in excluded(records):
+        counts[e.reason] = counts.get(e.reason, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))

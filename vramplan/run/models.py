@@ -1,0 +1,86 @@
+"""What every torch path builds the same way: the transformers config of a config dict, the
+attention implementation, the LoRA/checkpointing adaptation and the torch optimizer of a Setup.
+
+The tracer (fake tensors), the CPU truth and the distributed truths all take these from here, so
+that the step each of them runs is the same canonical step.
+"""
+
+from __future__ import annotations
+
+from ..specs import Setup, SpecError, truncate_config
+
+
+class NotTraceable(SpecError):
+    """The setup uses something fake tensors cannot run (bitsandbytes kernels, DeepSpeed, ...)."""
+
+
+def require_torch() -> None:
+    """Raise a one-line SpecError naming the ``run`` extra when torch or transformers is missing."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise SpecError(
+            f"tracing needs the optional extra: pip install 'vramplan[run]' ({exc.name} is missing)"
+        ) from None
+
+
+def hf_config(config: dict, num_layers: int | None):
+    """The transformers config of an HF config dict (truncated to ``num_layers`` layers when
+    given), without the keys that name checkpoints, remote code or a quantization."""
+    import transformers
+
+    cfg = dict(truncate_config(config, num_layers) if num_layers else config)
+    model_type = cfg.pop("model_type")
+    for k in ("architectures", "auto_map", "transformers_version", "quantization_config"):
+        cfg.pop(k, None)
+    return transformers.AutoConfig.for_model(model_type, **cfg)
+
+
+def attn_implementation(config: dict, setup: Setup) -> str:
+    """The ``attn_implementation`` the model of ``setup`` is built with: the family's default for
+    ``auto`` (eager for Gemma2, else SDPA). FlashAttention-2 needs CUDA; its memory (q, k, v, out,
+    fp32 logsumexp) is what SDPA's flash kernel saves, so SDPA runs in its place."""
+    if setup.attn == "auto":
+        return "eager" if config.get("model_type") in {"gemma2"} else "sdpa"
+    return "sdpa" if setup.attn == "flash" else setup.attn
+
+
+def adapt_for_training(model, setup: Setup):
+    """What every truth does after building the base: peft LoRA adapters (``setup.adapters``),
+    HF gradient checkpointing (``use_reentrant=False``; inputs require grad under LoRA so the
+    checkpointed segments have a grad path), train mode. Returns the (wrapped) model."""
+    if setup.adapters:
+        import peft
+
+        targets = setup.lora_targets
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
+            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
+    if setup.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if setup.adapters:
+            model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def torch_optimizer(setup: Setup, params):
+    """The torch optimizer of ``setup`` as the canonical step builds it (also the client optimizer
+    of the real runs in vramplan.run); bitsandbytes ones raise NotTraceable."""
+    import torch
+
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    if setup.optimizer == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-5, fused=True)
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-5, momentum=0.9, foreach=True)
+    if setup.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-5, scale_parameter=False, relative_step=False)
+    raise NotTraceable(
+        f"optimizer {setup.optimizer!r} cannot run on fake tensors (bitsandbytes/custom kernels); "
+        "it needs a real run (the measured tier)"
+    )

@@ -1,0 +1,111 @@
+"""N local ranks for the distributed truths (:mod:`vramplan.run.distributed`, :mod:`vramplan.run.fsdp`):
+the launcher, each rank's peaks, the checkpoint the ranks of a launch share, and the validate rows
+of a launch that failed. No torch at import (the workers import it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import free_port, release_deepspeed_shm
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's peaks over the measured step, in bytes."""
+
+    rank: int
+    device_bytes: int  # live bytes a GPU would hold (tensor peak)
+    phase: str  # phase of the device peak
+    phase_peaks: dict = field(default_factory=dict)  # device peak per phase
+    host_bytes: int = 0  # peak of the live offloaded (host) bytes
+    init_bytes: int = 0  # live bytes (host and device) peak up to the end of deepspeed.initialize
+
+
+def launch_ranks(module: str, job: dict, world: int, timeout_s: float, env: dict, what: str) -> list:
+    """Run ``python -m MODULE JOB`` as ``world`` local ranks (RANK/WORLD_SIZE/LOCAL_RANK, a free
+    port on 127.0.0.1, ``env`` added) and return each rank's JSON result, which the worker writes
+    to ``<job["out"]>/rank<r>.json``. Subprocesses, no fork of the caller: this works from pytest,
+    a CLI command or a script alike. Past ``timeout_s`` every rank dumps its stack (SIGUSR1, the
+    workers' faulthandler) and RuntimeError carries the logs; a crash raises with the log of the
+    rank that crashed first, not of one that lost its peer. DeepSpeed's shared-memory buffers
+    are released whatever happened."""
+    with tempfile.TemporaryDirectory(prefix=f"vramplan-{what.lower()}-") as tmp:
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps({**job, "out": tmp}))
+        port = free_port()
+        procs = []
+        for r in range(world):
+            rank_env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **env)
+            log = open(Path(tmp) / f"rank{r}.log", "w")  # noqa: SIM115 (closed after the wait below)
+            procs.append((subprocess.Popen([sys.executable, "-m", module, str(path)],
+                                           env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p, _ in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            tails = "".join(f"--- rank {r}:\n" + (Path(tmp) / f"rank{r}.log").read_text()[-2000:]
+                            for r in range(world))
+            raise RuntimeError(f"{what} workers did not finish within {timeout_s:.0f} s\n{tails}") from None
+        finally:
+            for p, log in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                log.close()
+            release_deepspeed_shm(port)
+        results, failed = [], []
+        for r, (p, _) in enumerate(procs):
+            out = Path(tmp) / f"rank{r}.json"
+            if p.returncode != 0 or not out.is_file():
+                failed.append((r, p.returncode, (Path(tmp) / f"rank{r}.log").read_text()[-3000:]))
+            else:
+                results.append(json.loads(out.read_text()))
+        if failed:
+            r, code, tail = min(failed, key=lambda f: "closed by peer" in f[2])
+            raise RuntimeError(f"rank {r} exited with {code}:\n{tail}")
+        return results
+
+
+def saved_checkpoint(config: dict, dtype, work: str) -> str:
+    """Random weights of ``config`` saved once per launch under ``work`` by rank 0 (transformers'
+    ``save_pretrained`` writes on rank 0 only once a process group exists), read by every rank."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    from .models import hf_config
+
+    key = hashlib.sha1((json.dumps(config, sort_keys=True) + str(dtype)).encode()).hexdigest()[:12]
+    path = Path(work) / f"ckpt-{key}"
+    if int(os.environ.get("RANK", "0")) == 0 and not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(hf_config(config, None), dtype=dtype).save_pretrained(path)
+    torch.distributed.barrier()
+    return str(path)
+
+
+def failed_launch_rows(setups, world: int, base: str, family: str, exc: Exception, label) -> list:
+    """The validate rows of a launch that crashed or timed out: each setup unverified, with the
+    first line of the failure; ``label(setup)`` gives its (knob, truth name without ``-N``)."""
+    from ..accuracy import Row
+
+    why = f"the {world}-process run failed here: {str(exc).splitlines()[0]}"
+    return [Row(f"{base}[tiny]", family, s, 0, 0, "", "", truth=f"{label(s)[1]}-{world}", knob=label(s)[0],
+                verified=False, why=why) for s in setups]

@@ -1,0 +1,208 @@
+"""The search proper: per family, the fastest saver configuration at its largest fitting
+micro-batch (monotone feasibility, branch and bound, seeded bisection; see the package docstring).
+
+:class:`Search` walks the :class:`~vramplan.search.space.Space` and asks its
+:class:`~vramplan.search.evaluate.Evaluator`; its own state is one hint per setup-but-its-rank
+(the index of a lower rank's largest micro-batch). :class:`Result` is what a run found; which
+of it is chosen is :mod:`vramplan.search.rank`'s business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..specs import ModelSpec, Setup, SpecError
+from . import rank
+from .evaluate import Evaluator
+from .geometry import BatchShape, Target
+from .space import Space, placement_key, rank_key, saving
+from .verdicts import Candidate
+
+#: Largest micro-batch probed when reporting "the biggest micro-batch that fits".
+MAX_PROBED_MICRO_BATCH = 4096
+
+
+class Search:
+    """One search over the free knobs for one target."""
+
+    def __init__(self, model: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any],
+                 band: float | None, margin: bool = True):
+        self.space = Space(model, target, shape, fixed)
+        self.ev = Evaluator(model, target, shape, band, margin)
+        self.mb_hint: dict[tuple, int] = {}  # setup but its rank -> index of a lower rank's largest micro-batch
+
+    @property
+    def shape(self) -> BatchShape:
+        return self.space.shape
+
+    @property
+    def target(self) -> Target:
+        return self.space.target
+
+    # -- the micro-batch ------------------------------------------------------------------------
+
+    def largest_fitting(self, setup: Setup, first: Candidate, at: int) -> Candidate:
+        """The largest allowed micro-batch that fits, given that ``mbs[at]`` does (``first``)."""
+        ev, mbs = self.ev, self.shape.micro_batches
+        best, lo, hi = first, at, len(mbs)  # mbs[lo] fits; mbs[hi] (if any) does not
+        if lo + 1 >= hi:
+            return best
+        if lo:  # from a lower rank's answer: usually the next one fails (known without an estimate)
+            return self._step_then_bisect(setup, best, lo, hi)
+        second = ev.judge(ev.at_micro(setup, mbs[1]))
+        if not second.fits:
+            return best
+        best, lo = second, 1
+        # seed: extrapolate linearly from the first two
+        slope = (second.device_total_bytes - first.device_total_bytes) / max(mbs[1] - mbs[0], 1)
+        if slope > 0:
+            margin = 1 + ev.band_of(first.breakdown) if ev.margin else 1
+            room = self.target.gpu.usable_memory_bytes / margin - first.device_total_bytes
+            guess_mb = mbs[0] + room / slope
+            guess = max(i for i, m in enumerate(mbs) if i <= 1 or m <= guess_mb)
+        else:
+            guess = len(mbs) - 1
+        if guess > lo:
+            c = ev.judge(ev.at_micro(setup, mbs[guess]))
+            if c.fits:
+                best, lo = c, guess
+            else:
+                hi = guess
+        return self._step_then_bisect(setup, best, lo, hi)
+
+    def _step_then_bisect(self, setup: Setup, best: Candidate, lo: int, hi: int) -> Candidate:
+        """Given ``mbs[lo]`` fits (``best``) and ``mbs[hi]`` does not (or is past the end): try the
+        next micro-batch first (usually the answer), then bisect what is left."""
+        ev, mbs = self.ev, self.shape.micro_batches
+        if lo + 1 < hi:
+            nxt = ev.judge(ev.at_micro(setup, mbs[lo + 1]))
+            if not nxt.fits:
+                return best
+            best, lo = nxt, lo + 1
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            c = ev.judge(ev.at_micro(setup, mbs[mid]))
+            if c.fits:
+                best, lo = c, mid
+            else:
+                hi = mid
+        return best
+
+    def fitting_micro_batch(self, setup: Setup) -> Candidate | None:
+        """``setup`` at its largest fitting micro-batch, or None if even the smallest fails.
+
+        A lower rank's answer for the same setup is the first guess: memory grows with the rank,
+        so the micro-batch above it is known to fail and, when the guess fits, one estimate does."""
+        ev, mbs = self.ev, self.shape.micro_batches
+        key = rank_key(ev.at_micro(setup, mbs[0])) if setup.adapters else None
+        hint = self.mb_hint.get(key, 0) if key is not None else 0
+        found = None
+        if hint:
+            guess = ev.judge(ev.at_micro(setup, mbs[hint]))
+            if guess.fits:
+                found = self.largest_fitting(setup, guess, hint)
+        if found is None:
+            first = ev.judge(ev.at_micro(setup, mbs[0]))
+            if not first.fits:
+                return None
+            found = self.largest_fitting(setup, first, 0)
+        if key is not None:
+            self.mb_hint[key] = mbs.index(found.setup.batch)
+        return found
+
+    def biggest_micro_batch(self, setup: Setup) -> int:
+        """The largest micro-batch (any integer) at which ``setup`` still fits, grad accum aside."""
+        lo, hi = setup.batch, None
+        while hi is None:
+            trial = lo * 2
+            if trial > MAX_PROBED_MICRO_BATCH:
+                return lo
+            if self.ev.judge(setup.replace(batch=trial)).fits:
+                lo = trial
+            else:
+                hi = trial
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            if self.ev.judge(setup.replace(batch=mid)).fits:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    # -- families -------------------------------------------------------------------------------
+
+    def family_best(self, family: Setup) -> tuple[Candidate | None, Candidate | None]:
+        """(fastest fitting candidate of the family, its smallest-memory candidate at micro-batch 1)."""
+        ev = self.ev
+        configs = self.space.savers(family)
+        mb0 = self.shape.micro_batches[0]
+        # monotone feasibility per placement: the config with every saver on is the floor there
+        floors: dict[tuple, Setup] = {}
+        for s in configs:
+            key = placement_key(s)
+            if key not in floors or saving(s) > saving(floors[key]):
+                floors[key] = s
+        verdict: dict[tuple, bool] = {}
+        lowest: Candidate | None = None
+
+        def feasible(key: tuple) -> bool:
+            nonlocal lowest
+            if key not in verdict:
+                judged = ev.judge(ev.at_micro(floors[key], mb0))
+                verdict[key] = judged.fits
+                if judged.breakdown is not None and (lowest is None or judged.device_total_bytes < lowest.device_total_bytes):
+                    lowest = judged
+            return verdict[key]
+
+        best: Candidate | None = None
+        ranked = sorted(((ev.speed_bound(s), i, s) for i, s in enumerate(configs)), key=lambda t: (-t[0], t[1]))
+        for bound, _, s in ranked:
+            if best is not None and bound <= best.tokens_per_s:
+                break
+            if not feasible(placement_key(s)):
+                continue
+            c = self.fitting_micro_batch(s)
+            if c is not None and (best is None or c.tokens_per_s > best.tokens_per_s):
+                best = c
+        if best is None:  # infeasible: every floor was judged; report the smallest
+            for key in floors:
+                feasible(key)
+        return best, lowest
+
+    def run(self) -> Result:
+        families = self.space.families()
+        if not families:
+            raise SpecError("no setup satisfies the fixed options together; relax one of them")
+        bests: list[Candidate] = []
+        floors: list[Candidate] = []
+        for fam in families:
+            best, lowest = self.family_best(fam)
+            if best is not None:
+                bests.append(best)
+            if lowest is not None:
+                floors.append(lowest)
+        return Result(self, families, bests, floors)
+
+
+@dataclass
+class Result:
+    """What one search found: the families it searched, each family's fastest fitting candidate
+    and each family's smallest-memory candidate."""
+
+    search: Search
+    families: list[Setup]
+    bests: list[Candidate]  # per family, fitting
+    floors: list[Candidate]  # per family, smallest memory seen
+
+    def choose(self) -> Candidate | None:
+        return rank.choose(self.bests, self.search.ev.useful_rate)
+
+    def fastest(self) -> float | None:
+        return max((c.tokens_per_s for c in self.bests), default=None)
+
+    def gpu_floor(self) -> float | None:
+        """The least GPU memory any estimated setup of this search needs, host-RAM failures
+        aside (None when there was none)."""
+        seen = [c for c in self.search.ev.failures if c.breakdown is not None and not c.host_ram_bound]
+        return min((c.device_total_bytes for c in seen + self.bests), default=None)

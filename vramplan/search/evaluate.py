@@ -1,0 +1,115 @@
+"""Memory and speed of one setup for one target, with the caches a search needs.
+
+:class:`Evaluator` holds a search's caches: the estimates it ran, the setups that failed (kept
+for the why-not lines) and, per setup but its rank, the lowest rank known to fail.
+Memory is :func:`vramplan.estimator.estimate` only (never a formula of its own); speed is
+:mod:`vramplan.cost`.
+"""
+
+from __future__ import annotations
+
+from .. import cost
+from ..estimator import estimate
+from ..specs import Breakdown, ModelSpec, Setup
+from .geometry import BatchShape, Target
+from .space import family_key, rank_key
+from .verdicts import Candidate, Misfit
+
+#: Relative error assumed for an estimate until calibration provides ``Breakdown.error_band``
+#: (the accuracy bar ``vramplan validate`` holds the estimator to).
+DEFAULT_ERROR_BAND = 0.05
+#: Share of host RAM offloaded state may take (the OS, the dataloader and the Python process need
+#: the rest).
+HOST_RAM_SHARE = 0.85
+
+_NO_RANK = 1 << 30
+
+
+class Evaluator:
+    """Judges setups of ``model`` on ``target``: fits with the error band as margin (``margin``
+    False: without it), or why not. ``band`` None: each estimate's own band, or the default."""
+
+    def __init__(self, model: ModelSpec, target: Target, shape: BatchShape, band: float | None,
+                 margin: bool = True):
+        self.model, self.target, self.shape = model, target, shape
+        self.band, self.margin = band, margin
+        self.cache: dict[Setup, Breakdown] = {}
+        self.failures: list[Candidate] = []  # estimated setups that did not fit
+        self.fail_rank: dict[tuple, int] = {}  # setup but its rank -> lowest rank known to fail
+        self._counts: dict[tuple, cost.Counts] = {}
+
+    # -- memory and speed -----------------------------------------------------------------------
+
+    def estimate(self, setup: Setup) -> Breakdown:
+        bd = self.cache.get(setup)
+        if bd is None:
+            bd = estimate(self.model, setup, self.target.gpu)
+            self.cache[setup] = bd
+        return bd
+
+    def counts(self, setup: Setup) -> cost.Counts:
+        key = family_key(setup) + (setup.lora_targets, setup.double_quant)
+        k = self._counts.get(key)
+        if k is None:
+            k = self._counts[key] = cost.counts(self.model, setup)
+        return k
+
+    def step(self, setup: Setup) -> cost.StepCost:
+        return cost.step_cost(self.model, setup, self.target.gpu, self.target.nodes, self.counts(setup))
+
+    def useful_rate(self, c: Candidate) -> float:
+        """Training FLOP/s a candidate gets out of the hardware: tokens/s x its method's FLOPs per
+        token (recompute excluded). Ranking on it compares how much of the card each plan spends
+        on memory savers, not the FLOPs a better method costs by design (6N full vs 4N LoRA)."""
+        return c.tokens_per_s * cost.train_flops_per_token(self.model, c.setup, self.counts(c.setup))
+
+    def band_of(self, bd: Breakdown) -> float:
+        if self.band is not None:
+            return self.band
+        return bd.error_band if bd.error_band is not None else DEFAULT_ERROR_BAND
+
+    def host_need(self, setup: Setup, bd: Breakdown) -> int:
+        """Host RAM per node the offloaded state needs (NVMe-offloaded state lives on disk)."""
+        if "cpu" not in (setup.offload_optimizer, setup.offload_params):
+            return 0
+        return bd.host_bytes * (self.target.gpus // self.target.nodes)
+
+    def speed_bound(self, setup: Setup) -> float:
+        """Tokens/s of ``setup`` at the largest allowed micro-batch: an upper bound on its speed."""
+        return self.step(self.at_micro(setup, self.shape.micro_batches[-1])).tokens_per_s
+
+    def at_micro(self, setup: Setup, micro: int) -> Setup:
+        return setup.replace(batch=micro, grad_accum=self.shape.grad_accum(micro))
+
+    # -- the verdict ----------------------------------------------------------------------------
+
+    def misfit(self, setup: Setup, bd: Breakdown) -> Misfit | None:
+        """Why ``setup`` (estimated as ``bd``) does not fit the target, or None when it does."""
+        usable = self.target.gpu.usable_memory_bytes
+        band = self.band_of(bd)
+        need = bd.device_total_bytes * ((1 + band) if self.margin else 1)
+        if need > usable:
+            kind = "gpu" if bd.device_total_bytes > usable else "error_band"
+            return Misfit(kind, bd.device_total_bytes, usable, band=band)
+        host = self.host_need(setup, bd)
+        ram = self.target.host_ram_bytes
+        if ram is not None and host > ram * HOST_RAM_SHARE:
+            return Misfit("host_ram", host, ram * HOST_RAM_SHARE)
+        return None
+
+    def judge(self, setup: Setup) -> Candidate:
+        """Estimate ``setup`` and say whether it fits (failures are kept for the why-not lines).
+
+        Memory grows with the LoRA rank, so a setup that fails at rank r fails at every higher
+        rank: such setups are answered without an estimate (``breakdown`` None)."""
+        key = rank_key(setup) if setup.adapters else None
+        if key is not None and setup.lora_rank >= self.fail_rank.get(key, _NO_RANK):
+            return Candidate(setup, None, self.step(setup), Misfit("lower_rank", rank=self.fail_rank[key]))
+        bd = self.estimate(setup)
+        misfit = self.misfit(setup, bd)
+        c = Candidate(setup, bd, self.step(setup), misfit)
+        if misfit is not None:
+            self.failures.append(c)
+            if key is not None:
+                self.fail_rank[key] = min(setup.lora_rank, self.fail_rank.get(key, _NO_RANK))
+        return c

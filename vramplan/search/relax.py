@@ -1,0 +1,131 @@
+""""What would fit": when nothing fits, the search again under relaxed targets (more GPUs of the
+card, a bigger shipped card, a shorter sequence, NVMe offload, more host RAM, the fixed knobs
+dropped), each answer a typed :class:`Relaxation` (its words: :func:`vramplan.search.explain.relaxation_note`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..specs import GpuSpec, ModelSpec, SpecError
+from .core import Search
+from .evaluate import HOST_RAM_SHARE, Evaluator
+from .geometry import BatchShape, Target, batch_shape
+from .verdicts import Candidate
+
+#: The relaxed target a line is about; ``nothing``: none of them fits.
+RelaxKind = Literal["more_gpus", "bigger_card", "shorter_seq", "nvme", "host_ram", "unpinned", "nothing"]
+#: The most GPUs of the card tried.
+MAX_GPUS = 64
+#: Sequences are halved down to this many tokens.
+MIN_SEQ = 128
+#: Fixed knobs that do not change what fits (never reported as "without the fixed ...").
+NOT_PINNING = ("lora_alpha", "lora_dropout", "lora_targets", "double_quant", "loss")
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """A relaxed target under which ``candidate`` fits. ``gpu``: the card (``more_gpus``: the
+    target's, ``bigger_card``: the bigger one); ``gpus``, ``seq``, ``host_ram_bytes``: the relaxed
+    number; ``unpinned``: the fixed knobs dropped."""
+
+    kind: RelaxKind
+    candidate: Candidate | None = None
+    gpu: GpuSpec | None = None
+    gpus: int = 0
+    seq: int = 0
+    host_ram_bytes: float = 0
+    unpinned: tuple[str, ...] = ()
+
+
+def fit_and_floor(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any],
+                  band: float | None) -> tuple[Candidate | None, float]:
+    """The chosen candidate under a relaxed target (None if nothing fits), and the least GPU memory
+    any setup there needs (host-RAM failures aside; infinite when nothing was estimated)."""
+    try:
+        result = Search(spec, target, shape, fixed, band).run()
+    except SpecError:
+        return None, math.inf
+    floor = result.gpu_floor()
+    return result.choose(), math.inf if floor is None else floor
+
+
+def first_fit(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any],
+              band: float | None) -> Candidate | None:
+    """The candidate a plan would choose under ``target`` (None if nothing fits)."""
+    return fit_and_floor(spec, target, shape, fixed, band)[0]
+
+
+def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any], band: float | None,
+               global_batch: int | None, gpu_floor: float) -> list[Relaxation]:
+    """Re-run the search under relaxed constraints and say what would fit.
+
+    ``global_batch``: the global batch in sequences (None: free); ``gpu_floor``: the least GPU
+    memory any setup respecting host RAM needs on the target (host need does not depend on the
+    card, and a placement's floor is its smallest setup, so no card below it can fit)."""
+    out: list[Relaxation] = []
+    gb, seq = global_batch, shape.seq
+    # more GPUs of the same card; ZeRO-3 memory per GPU is a + b/n, so two counts give the limit a:
+    # once even infinitely many GPUs would not fit, stop
+    n, floors = target.gpus, {target.gpus: gpu_floor}
+    while n < MAX_GPUS:
+        n *= 2
+        if gb is not None and gb % n:
+            continue
+        try:
+            s = batch_shape(seq, n, gb, None, fixed.get("batch") if gb is None else None, None)
+        except SpecError:
+            continue
+        nodes = target.nodes if n % target.nodes == 0 else 1
+        c, floors[n] = fit_and_floor(spec, dataclasses.replace(target, gpus=n, nodes=nodes), s,
+                                     {k: v for k, v in fixed.items() if k != "grad_accum"}, band)
+        if c is not None:
+            out.append(Relaxation("more_gpus", c, gpu=target.gpu, gpus=n))
+            break
+        # (from 2 GPUs up, where ZeRO-3 is among the placements on both sides)
+        if n // 2 >= 2 and n // 2 in floors and 2 * floors[n] - floors[n // 2] > target.gpu.usable_memory_bytes:
+            break
+    # a bigger card
+    from ..profiles import gpus as shipped
+
+    for card in sorted(shipped(), key=lambda g: g.usable_memory_bytes):
+        # skip cards below the floor (10 % slack: the device overheads may differ per card)
+        if card.usable_memory_bytes <= max(target.gpu.usable_memory_bytes, 0.9 * gpu_floor):
+            continue
+        c = first_fit(spec, dataclasses.replace(target, gpu=card), shape, fixed, band)
+        if c is not None:
+            out.append(Relaxation("bigger_card", c, gpu=card))
+            break
+    # a shorter sequence
+    short = seq // 2
+    while short >= MIN_SEQ:
+        try:
+            s = batch_shape(short, target.gpus, gb, None, fixed.get("batch"), fixed.get("grad_accum"))
+        except SpecError:
+            break
+        c = first_fit(spec, target, s, fixed, band)
+        if c is not None:
+            out.append(Relaxation("shorter_seq", c, seq=short))
+            break
+        short //= 2
+    # offload the knobs the target ruled out
+    if not target.nvme:
+        c = first_fit(spec, dataclasses.replace(target, nvme=True), shape, fixed, band)
+        if c is not None:
+            out.append(Relaxation("nvme", c))
+    if target.host_ram_bytes is not None:
+        c = first_fit(spec, dataclasses.replace(target, host_ram_bytes=None), shape, fixed, band)
+        if c is not None:
+            need = Evaluator(spec, target, shape, band).host_need(c.setup, c.breakdown)
+            out.append(Relaxation("host_ram", c, host_ram_bytes=need / HOST_RAM_SHARE))
+    pinned = tuple(k for k in fixed if k not in NOT_PINNING)
+    if pinned:
+        c = first_fit(spec, target, shape, {k: v for k, v in fixed.items() if k not in pinned}, band)
+        if c is not None:
+            out.append(Relaxation("unpinned", c, unpinned=pinned))
+    if not out:
+        out.append(Relaxation("nothing"))
+    return out

@@ -1,0 +1,175 @@
+"""The knobs the search varies: families (method x base quantization x LoRA rank), their saver
+configurations (checkpointing, optimizer, placement, attention), and the fixed knobs' checks.
+Pure: a :class:`Space` is a value; nothing here estimates memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..setup_checks import check, fsdp_lora_crashes
+from ..specs import ModelSpec, Setup, SpecError
+from .geometry import BatchShape, Target
+
+#: LoRA ranks the search tries when the rank is free.
+LORA_RANKS = (8, 16, 32, 64, 128, 256)
+
+#: Setup fields a user may fix; everything else of Setup is fixed by the target or the batch.
+FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quant", "double_quant",
+           "quant_bits", "quant_group_size",
+           "precision", "optimizer", "checkpointing", "attn", "zero_stage", "offload_optimizer",
+           "offload_params", "loss", "batch", "grad_accum", "fsdp")
+
+
+@dataclass(frozen=True)
+class Space:
+    """The setups one search may visit: the model, the target, the batch shape, the fixed knobs."""
+
+    model: ModelSpec
+    target: Target
+    shape: BatchShape
+    fixed: dict[str, Any]
+
+    def choices(self, name: str, default: Iterable[Any]) -> tuple[Any, ...]:
+        """The values of knob ``name`` to try: the fixed one, or ``default``."""
+        return (self.fixed[name],) if name in self.fixed else tuple(default)
+
+    def families(self) -> list[Setup]:
+        """One base Setup per (method, base quantization, rank); savers at their defaults."""
+        f = self.fixed
+        lora_knobs = any(k in f for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"))
+        # a fixed LoRA knob means adapters unless the method is fixed too
+        methods = self.choices("method", ("lora", "qlora") if lora_knobs else ("full", "lora", "qlora"))
+        # the bases searched per method; a fixed --quant picks the methods it is valid for. GPTQ/AWQ
+        # need a pre-quantized checkpoint: searched only when the user fixes --quant gptq|awq
+        bases = {"full": ("none",), "lora": ("none",), "qlora": ("nf4",)}
+        if "quant" in f:
+            q = f["quant"]
+            bases = {"full": (q,) if q == "none" else (),
+                     "lora": (q,) if q in ("none", "int8", "gptq", "awq") or f.get("method") == "lora" else (),
+                     "qlora": (q,) if q in ("nf4", "fp4") else ()}
+        combos = [(method, q) for method in methods for q in bases[method]]
+        gpu = self.target.gpu
+        out = []
+        for method, quant in combos:
+            ranks = (16,) if method == "full" else self.choices("lora_rank", LORA_RANKS)
+            if method == "full":
+                precision = self.choices("precision", ("bf16",) if gpu.bf16 else ("fp16-mixed",))
+            else:
+                precision = self.choices("precision", ("bf16",) if gpu.bf16 else ("fp16",))
+            for r in ranks:
+                for p in precision:
+                    values = {k: v for k, v in f.items() if k not in ("batch", "grad_accum")}
+                    values.update(method=method, quant=quant, lora_rank=r if method != "full" else f.get("lora_rank", 16),
+                                  precision=p, seq=self.shape.seq, gpus=self.target.gpus)
+                    try:
+                        s = Setup(**values)
+                        check(self.model, s)
+                    except SpecError:
+                        continue
+                    out.append(s)
+        # ascending rank within a method, so failures at a low rank answer the higher ranks
+        return sorted(out, key=lambda s: (s.method, s.quant, s.lora_rank))
+
+    def placements(self) -> list[tuple[int, str, str, str]]:
+        """(ZeRO stage, optimizer offload, parameter offload, FSDP sharding) worth trying on this
+        target. Several GPUs also try PyTorch FSDP (FULL_SHARD, SHARD_GRAD_OP, FULL_SHARD with
+        CPU offload) beside ZeRO; one GPU only when FSDP is asked for."""
+        n, f = self.target.gpus, self.fixed
+        offl = ("cpu", "nvme") if self.target.nvme else ("cpu",)
+        fsdp = [(0, "none", "none", m) for m in ("full_shard", "shard_grad_op")] + [(0, "cpu", "cpu", "full_shard")]
+        if any(k in f for k in ("zero_stage", "offload_optimizer", "offload_params", "fsdp")):
+            allowed = [(z, o, p, "none") for z in (0, 1, 2, 3) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
+            if n > 1 or "fsdp" in f:
+                allowed += [(0, o, o, m) for m in ("full_shard", "shard_grad_op", "no_shard") for o in ("none", "cpu")]
+        elif n == 1:
+            allowed = [(0, "none", "none", "none")] + [(2, o, "none", "none") for o in offl] + [(3, o, o, "none") for o in offl]
+        else:
+            allowed = [(z, "none", "none", "none") for z in (0, 1, 2, 3)]
+            allowed += [(2, o, "none", "none") for o in offl] + [(3, o, "none", "none") for o in offl]
+            allowed += [(3, o, o, "none") for o in offl] + fsdp
+        out = []
+        for z, o, p, m in allowed:
+            if (f.get("zero_stage", z) != z or f.get("offload_optimizer", o) != o or f.get("offload_params", p) != p
+                    or f.get("fsdp", m) != m):
+                continue
+            if m == "none" and ((p != "none" and z != 3) or (o != "none" and z == 0)):
+                continue
+            out.append((z, o, p, m))
+        return out
+
+    def savers(self, family: Setup) -> list[Setup]:
+        """Every saver configuration of a family (checkpointing, optimizer, placement, attention)."""
+        gpu = self.target.gpu
+        attns: tuple[str, ...] = ("auto",)
+        cc = gpu.compute_capability
+        if self.model.default_attn == "eager" and (cc is None or float(cc) >= 8.0):
+            attns = ("auto", "flash")  # FlashAttention-2 keeps no s x s scores (needs Ampere+)
+        out = []
+        for z, o, p, m in self.placements():
+            optimizers = ("adamw-fused",) if o != "none" else ("adamw-fused", "adamw-8bit")
+            for opt in self.choices("optimizer", optimizers):
+                if o != "none" and opt not in ("adamw", "adamw-fused"):
+                    continue
+                for ck in self.choices("checkpointing", (False, True)):
+                    for attn in self.choices("attn", attns):
+                        try:  # a GPTQ/AWQ base refuses ZeRO placements
+                            s = family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m,
+                                               optimizer=opt, checkpointing=ck, attn=attn)
+                        except SpecError:
+                            continue
+                        if "fsdp" not in self.fixed and fsdp_lora_crashes(self.model, s):
+                            continue  # torch 2.13's FSDP1 fails on it (setup_checks.py)
+                        out.append(s)
+        return out
+
+
+def check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int, seq: int) -> None:
+    """Reject fixed knobs that contradict each other, with Setup's own messages."""
+    unknown = sorted(set(fixed) - set(FIXABLE))
+    if unknown:
+        raise SpecError(f"unknown constraint {unknown[0]!r}; fixable knobs: {', '.join(FIXABLE)}")
+    probe = dict(fixed)
+    if probe.get("quant", "none") != "none" and "method" not in probe:
+        probe["method"] = "qlora" if probe["quant"] in ("nf4", "fp4") else "lora"
+    if probe.get("offload_params", "none") != "none" and probe.get("fsdp", "none") == "none":
+        probe.setdefault("zero_stage", 3)
+    if probe.get("offload_optimizer", "none") != "none" and probe.get("fsdp", "none") == "none":
+        probe.setdefault("zero_stage", 2)
+    if probe.get("offload_optimizer", "none") != "none" and probe.get("optimizer", "adamw") not in ("adamw", "adamw-fused"):
+        raise SpecError(f"--optimizer {probe['optimizer']} cannot be offloaded: DeepSpeed's offload runs its own "
+                        "CPU Adam; use --optimizer adamw-fused or drop --offload-optimizer")
+    if probe.get("method") == "qlora" and probe.get("quant") == "none":
+        raise SpecError("qlora means a 4-bit base; drop --no-quant or use --method lora")
+    setup = Setup(**probe, gpus=gpus, seq=seq)
+    if any(k in fixed for k in ("lora_rank", "lora_targets")) and fixed.get("method") != "full":
+        check(model, setup.replace(method="lora") if setup.method == "full" else setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# keys that group setups
+
+
+def family_key(s: Setup) -> tuple:
+    """The family a setup belongs to: method, base quantization, rank (adapters only), precision."""
+    return (s.method, s.quant, s.lora_rank if s.adapters else 0, s.precision)
+
+
+_RANK_FREE = tuple(f.name for f in dataclasses.fields(Setup) if f.name not in ("lora_rank", "lora_alpha"))
+
+
+def rank_key(s: Setup) -> tuple:
+    """Every field of a Setup but its rank (new Setup fields are included automatically)."""
+    return tuple(getattr(s, name) for name in _RANK_FREE)
+
+
+def placement_key(s: Setup) -> tuple:
+    """Saver configurations that share a placement are ordered by memory (see :func:`saving`)."""
+    return (s.zero_stage, s.offload_optimizer, s.offload_params, s.fsdp, s.precision)
+
+
+def saving(s: Setup) -> tuple[int, int, int]:
+    """How many memory savers a configuration turns on, in an order within one placement."""
+    return (int(s.checkpointing), int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")), int(s.attn != "auto"))

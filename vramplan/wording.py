@@ -1,0 +1,50 @@
+"""How vramplan names things in its output: one line for a Setup, a parameter count.
+
+Shared by the command line, the HTML report, the emitted files' headers, the validation table
+and the pytest plugin, so a setup reads the same everywhere. Pure string functions: no click,
+no rich, no torch.
+"""
+
+from __future__ import annotations
+
+from .specs import Setup
+
+__all__ = ["describe", "params"]
+
+
+def describe(setup: Setup) -> str:
+    """One line naming the setup: method, precision, optimizer, shape, memory savers."""
+    parts = [setup.method]
+    if setup.adapters:
+        parts[0] += f" r={setup.lora_rank} alpha={setup.alpha}"
+        if setup.lora_targets != "all-linear":
+            parts[0] += f" on {setup.lora_targets}"
+    if setup.quant != "none":
+        parts.append(f"{setup.quant} base" + (" (double quant)" if setup.double_quant and setup.quant in ("nf4", "fp4") else "")
+                     + (f" ({setup.quant_bits}-bit, group {setup.quant_group_size})" if setup.quant in ("gptq", "awq") else ""))
+    parts += [setup.precision, setup.optimizer, f"batch {setup.batch} x seq {setup.seq}"]
+    if setup.grad_accum > 1:
+        parts.append(f"grad accum {setup.grad_accum}")
+    parts.append("checkpointing" if setup.checkpointing else "no checkpointing")
+    if setup.attn != "auto":
+        parts.append(f"attn {setup.attn}")
+    if setup.pad_mask:
+        parts.append("padding mask")
+    if setup.loss != "hf":
+        parts.append(f"{setup.loss} loss")
+    if setup.gpus > 1:
+        parts.append(f"{setup.gpus} GPUs")
+    if setup.zero_stage:
+        parts.append(f"ZeRO-{setup.zero_stage}")
+    if setup.fsdp != "none":
+        parts.append(f"FSDP {setup.fsdp.upper()}")
+    if setup.offload_optimizer != "none":
+        parts.append(f"optimizer offload to {setup.offload_optimizer}")
+    if setup.offload_params != "none":
+        parts.append(f"param offload to {setup.offload_params}")
+    return " · ".join(parts)
+
+
+def params(n: int) -> str:
+    """A parameter count for people: ``"8.03 B"`` from a billion on, ``"41.9 M"`` below."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
