@@ -37,7 +37,8 @@ def print_rank_rows(compared, world: int, name, width: int, errors: list[float])
             err = est.tensor_peak_bytes / r.device_bytes - 1
             errors.append(err)
             herr = f"{est.host_bytes / r.host_bytes - 1:+.1%}" if r.host_bytes else "-"
-            print(f"{name(run.setup):{width}s} {world:2d} {r.rank:4d} {r.device_bytes:10,d} {est.tensor_peak_bytes:10,d} "
+            print(f"{name(run.setup):{width}s} {world:2d} {r.rank:4d} {r.device_bytes:10,d} "
+                  f"{est.tensor_peak_bytes:10,d} "
                   f"{err:+7.1%} {r.phase + '/' + est.phase:>19s} {r.host_bytes:11,d} {est.host_bytes:9,d} {herr:>8s}")
 
 

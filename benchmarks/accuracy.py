@@ -1,7 +1,8 @@
 """Estimate vs truth, printed as error tables. Prints; asserts nothing.
 
     python benchmarks/accuracy.py                     # estimate vs trace: every family, 4-layer truncations, 2 shapes
-    python benchmarks/accuracy.py --full              # the same on whole models (traced at 2 and 3 layers, extrapolated)
+    python benchmarks/accuracy.py --full              # the same on whole models (traced at 2 and 3 layers,
+                                                      # extrapolated)
     python benchmarks/accuracy.py --validate          # the knob matrix of `vramplan validate` (trace and real CPU runs)
     python benchmarks/accuracy.py --validate --quick  # its CI subset
     python benchmarks/accuracy.py --validate --json   # machine-readable rows and per-knob summary
@@ -22,7 +23,8 @@ def family_matrix(full: bool, shapes: list[tuple[int, int]]) -> None:
     layers = None if full else 4
     per_family: dict[str, list[float]] = {}
     t0 = time.perf_counter()
-    print(f"{'family':12s} {'method':6s} {'ckpt':4s} {'b x s':>9s} {'trace GiB':>10s} {'est GiB':>9s} {'error':>8s}  note")
+    print(f"{'family':12s} {'method':6s} {'ckpt':4s} {'b x s':>9s} {'trace GiB':>10s} {'est GiB':>9s} "
+          f"{'error':>8s}  note")
     for family, model in FAMILY_MODELS.items():
         for method in ("full", "lora"):
             for ckpt in (False, True):
@@ -50,7 +52,8 @@ def validate_matrix(quick: bool, as_json: bool) -> None:
     t0 = time.perf_counter()
     rows = []
     if not as_json:
-        print(f"{'knob':13s} {'model':18s} {'truth':7s} {'quantity':18s} {'truth MiB':>10s} {'est MiB':>10s} {'error':>8s}  setup")
+        print(f"{'knob':13s} {'model':18s} {'truth':7s} {'quantity':18s} {'truth MiB':>10s} {'est MiB':>10s} "
+              f"{'error':>8s}  setup")
     for case in matrix(quick):
         for row in run_case(case):
             rows.append(row)

@@ -1,8 +1,9 @@
 """PyTorch FSDP and DDP: per-rank estimate vs the real N-process run. Prints; asserts nothing.
 
     python benchmarks/fsdp_accuracy.py            # the validate matrix: N in {1, 2, 4}, every strategy, offload, LoRA,
-                                                  # QLoRA, 8-bit AdamW, fp16, checkpointing, accumulation, DDP; two other
-                                                  # shapes on 2 ranks, NO_SHARD LoRA on the untied one (about 4 min)
+                                                  # QLoRA, 8-bit AdamW, fp16, checkpointing, accumulation, DDP;
+                                                  # two other shapes on 2 ranks, NO_SHARD LoRA on the untied one
+                                                  # (about 4 min)
     python benchmarks/fsdp_accuracy.py --quick    # the `vramplan validate --quick` subset
 
 The truth is vramplan/run/fsdp.py: N CPU processes (gloo), the tiny Llama-3.2 the ZeRO truth uses,
@@ -26,7 +27,8 @@ from vramplan.specs import Setup
 def _name(s: Setup) -> str:
     kind = f"FSDP {s.fsdp.upper()}" if s.fsdp != "none" else ("DDP" if s.gpus > 1 else "1 GPU")
     extra = (" QLoRA" if s.method == "qlora" else " LoRA" if s.adapters else "") + (" ckpt" if s.checkpointing else "")
-    extra += (f" {s.precision}" if s.precision != "bf16" else "") + (" 8-bit AdamW" if s.optimizer == "adamw-8bit" else "")
+    extra += (f" {s.precision}" if s.precision != "bf16" else "")
+    extra += " 8-bit AdamW" if s.optimizer == "adamw-8bit" else ""
     extra += f" accum {s.grad_accum}" if s.grad_accum > 1 else ""
     return kind + extra + (" CPU offload" if s.offload_params == "cpu" else "")
 

@@ -3,6 +3,11 @@
     python benchmarks/published_accuracy.py            # per-row table, per-group summary, excluded rows with reasons
     python benchmarks/published_accuracy.py --json     # the same, machine-readable
     python benchmarks/published_accuracy.py --records PATH
+    python benchmarks/published_accuracy.py --no-calibration   # the raw model (published device terms)
+
+The estimates carry the committed calibration (calibration/coefficients.json) as `vramplan
+estimate` does; its device terms are fitted on these runs' allocated vs nvidia-smi, so the
+device_total rows are in-sample with it (`vramplan calibrate` refits them).
 
 Comparable rows: HF modelling code, exact lengths, every knob expressible, a config we hold, a
 quantity we predict (calibration/published/README.md). error = estimate / measured - 1; "under"
@@ -15,17 +20,23 @@ import argparse
 import json
 import time
 
-from vramplan.published import UNDER, compare, excluded, exclusion_counts, load_records, summarize
+from vramplan.estimator.corrections import calibration_for
+from vramplan.profiles import load_gpu
+from vramplan.published import UNDER, compare, estimate_record, excluded, exclusion_counts, load_records, summarize
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", default=None, help="records JSONL (default: calibration/published/records.jsonl)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-calibration", action="store_true", help="the raw model (published device terms)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     records = load_records(args.records)
-    rows = sorted(compare(records), key=lambda r: r.error)
+    def estimator(r):
+        return estimate_record(r, calibration_for(load_gpu(r["gpu"]), enabled=not args.no_calibration)[0])
+
+    rows = sorted(compare(records, estimator=estimator), key=lambda r: (r.quantity, r.error))
     summary = summarize(rows)
     out = excluded(records)
     if args.json:
@@ -45,7 +56,7 @@ def main() -> None:
         print(f"{s.group:12s} {s.key[:42]:42s} {s.rows:4d} {s.median_abs_error:9.1%} {s.p90_abs_error:8.1%} "
               f"{s.worst_error:+8.1%} {s.under_share:9.0%}")
     print()
-    print(f"{len(records)} records: {len(rows)} comparable, {len(out)} excluded")
+    print(f"{len(records)} records: {len({r.id for r in rows})} comparable ({len(rows)} rows), {len(out)} excluded")
     for reason, n in exclusion_counts(records):
         print(f"  {n:4d}  {reason}")
     print()

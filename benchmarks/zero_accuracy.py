@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO: per-rank estimate vs the real N-process run. Prints; asserts nothing.
 
-    python benchmarks/zero_accuracy.py              # N in {1, 2, 4} x stages 1-3 x CPU/NVMe offload, LoRA, QLoRA/int8, bf16-mixed (28 setups)
+    python benchmarks/zero_accuracy.py              # N in {1, 2, 4} x stages 1-3 x CPU/NVMe offload, LoRA,
+                                                    # QLoRA/int8, bf16-mixed (28 setups)
     python benchmarks/zero_accuracy.py --worlds 1 2 # fewer world sizes
     python benchmarks/zero_accuracy.py --timing     # also the estimator's time per ZeRO estimate
 
@@ -23,19 +24,15 @@ from _common import print_error_summary, print_rank_rows  # benchmarks/_common.p
 from vramplan.run.distributed import (
     LORA_MATRIX,
     MIXED_MATRIX,
-    MOE_BASES,
     MOE_MATRIX,
     NVME_MATRIX,
-    OTHER_BASES,
     QUANT_MATRIX,
-    TINY_BASE,
-    TINY_SEQ,
     UNVERIFIED,
     ZERO_MATRIX,
     compare_setups,
     nvme_available,
-    tiny_model,
 )
+from vramplan.run.tiny import MOE_BASES, OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_model
 from vramplan.specs import Setup
 
 
@@ -56,7 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--timing", action="store_true")
-    ap.add_argument("--no-other-shapes", action="store_true", help="skip the untied (Llama-3.1) and biased (Qwen2.5) shapes")
+    ap.add_argument("--no-other-shapes", action="store_true",
+                    help="skip the untied (Llama-3.1) and biased (Qwen2.5) shapes")
     ap.add_argument("--matrices", nargs="+", default=["zero", "lora", "quant", "mixed", "moe"],
                     choices=["zero", "lora", "quant", "mixed", "moe"],
                     help="which matrices to run (zero: stages x offload, with the NVMe cases and the other shapes)")

@@ -23,15 +23,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family, model, method, ckpt, b, s", CASES, ids=[f"{c[0]}-{c[2]}-ck{int(c[3])}-{c[4]}x{c[5]}" for c in CASES])
+@pytest.mark.parametrize("family, model, method, ckpt, b, s", CASES,
+                         ids=[f"{c[0]}-{c[2]}-ck{int(c[3])}-{c[4]}x{c[5]}" for c in CASES])
 def test_estimate_within_5_percent_of_trace(family, model, method, ckpt, b, s):
     setup = Setup(method=method, checkpointing=ckpt, batch=b, seq=s)
     row = compare(model, setup, layers=4)
-    assert abs(row.error) <= 0.05, f"{model} {setup}: estimate {row.estimated_bytes:,} vs trace {row.traced_bytes:,} ({row.error:+.2%})"
+    assert abs(row.error) <= 0.05, (f"{model} {setup}: estimate {row.estimated_bytes:,} vs trace "
+                                    f"{row.traced_bytes:,} ({row.error:+.2%})")
 
 
 @pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"])
 def test_canonical_step_within_2_percent_full_depth(model):
-    for setup in (Setup(), Setup(method="lora"), Setup(checkpointing=True, batch=2), Setup(method="lora", checkpointing=True)):
+    for setup in (Setup(), Setup(method="lora"), Setup(checkpointing=True, batch=2),
+                  Setup(method="lora", checkpointing=True)):
         row = compare(model, setup, layers=None)
         assert abs(row.error) <= 0.02, (setup, row.error)

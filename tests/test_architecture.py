@@ -49,7 +49,8 @@ def test_parameter_count_is_exact(hf_id):
         assert (lin.in_features, lin.out_features) in shapes.get(lin.name, set()), lin
 
 
-@pytest.mark.parametrize("hf_id", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen3-30B-A3B", "google/gemma-2-2b", "EleutherAI/gpt-j-6b"])
+@pytest.mark.parametrize("hf_id", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen3-30B-A3B", "google/gemma-2-2b",
+                                   "EleutherAI/gpt-j-6b"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_truncated_copies_are_exact(hf_id, layers):
     spec = with_layers(load_model(hf_id), layers)
@@ -84,8 +85,10 @@ def test_unknown_model_type_falls_back_to_meta_structure():
     [
         ({}, "no model_type"),
         ({"model_type": "llama", "hidden_size": 64}, "missing"),
-        ({"model_type": "llama", "hidden_size": -1, "vocab_size": 10, "num_hidden_layers": 1, "num_attention_heads": 1}, "positive"),
-        ({"model_type": "llama", "hidden_size": 64, "vocab_size": 10, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3}, "multiple"),
+        ({"model_type": "llama", "hidden_size": -1, "vocab_size": 10, "num_hidden_layers": 1,
+          "num_attention_heads": 1}, "positive"),
+        ({"model_type": "llama", "hidden_size": 64, "vocab_size": 10, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "num_key_value_heads": 3}, "multiple"),
         ({"model_type": "not-a-model"}, "not-a-model"),
     ],
 )

@@ -74,7 +74,8 @@ def test_estimate_json():
     assert data["tier"] == "analytic"
     assert data["params_total"] == 8_030_261_248
     assert data["params_trainable"] == data["params_total"]
-    assert data["device_total_bytes"] >= data["peak_reserved_bytes"] >= data["peak_allocated_bytes"] >= data["tensor_peak_bytes"] > 0
+    assert (data["device_total_bytes"] >= data["peak_reserved_bytes"] >= data["peak_allocated_bytes"]
+            >= data["tensor_peak_bytes"] > 0)
     assert data["components"] and all({"name", "bytes", "phases"} <= set(c) for c in data["components"])
 
 

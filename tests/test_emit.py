@@ -46,7 +46,8 @@ SHAPES = {
     "zero3-lion-offload": (Setup(zero_stage=3, offload_optimizer="cpu", optimizer="lion", gpus=2), 1),
     "multinode-zero3": (Setup(zero_stage=3, gpus=16, checkpointing=True), 2),
     "multinode-ddp": (Setup(method="lora", gpus=16), 2),
-    "gptq": (Setup(method="lora", quant="gptq", quant_bits=4, quant_group_size=128, checkpointing=True, precision="fp16"), 1),
+    "gptq": (Setup(method="lora", quant="gptq", quant_bits=4, quant_group_size=128, checkpointing=True,
+                   precision="fp16"), 1),
 }
 #: shapes whose files are pinned as golden files (one per distinct emitter path)
 GOLDEN_SHAPES = ("single", "qlora", "ddp-4gpu", "zero2-offload-cpu", "zero3-nvme", "multinode-zero3", "multinode-ddp",

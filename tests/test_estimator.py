@@ -65,7 +65,8 @@ def test_estimate_is_pure():
         ({"batch": 1}, {"batch": 4}),
         ({"loss": "chunked", "seq": 8192}, {"seq": 8192}),
         ({"method": "full", "zero_stage": 3, "gpus": 8}, {"method": "full", "zero_stage": 1, "gpus": 8}),
-        ({"method": "full", "zero_stage": 2, "gpus": 8, "offload_optimizer": "cpu"}, {"method": "full", "zero_stage": 2, "gpus": 8}),
+        ({"method": "full", "zero_stage": 2, "gpus": 8, "offload_optimizer": "cpu"},
+         {"method": "full", "zero_stage": 2, "gpus": 8}),
     ],
 )
 def test_every_knob_moves_memory_the_right_way(smaller, larger):

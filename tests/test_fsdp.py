@@ -82,7 +82,8 @@ def test_sharding_divides_the_model_states():
 
 def test_cpu_offload_moves_shards_grads_and_states_to_the_host():
     m = load_model(MODEL)
-    on, off = estimate(m, Setup(fsdp="full_shard", gpus=8)), estimate(m, Setup(fsdp="full_shard", gpus=8, offload_params="cpu"))
+    on = estimate(m, Setup(fsdp="full_shard", gpus=8))
+    off = estimate(m, Setup(fsdp="full_shard", gpus=8, offload_params="cpu"))
     fm = fsdp_memory(m, Setup(fsdp="full_shard", gpus=8))
     assert off.host_bytes == fm.shards + fm.grad_shards + fm.states + fm.step
     assert off.tensor_peak_bytes < on.tensor_peak_bytes
@@ -131,7 +132,8 @@ def test_lora_unsharded_on_tied_embeddings_warns_and_is_not_planned():
     for s in (Setup(fsdp="no_shard", gpus=2, method="lora"), Setup(fsdp="full_shard", gpus=1, method="qlora")):
         assert any("_use_unsharded_views" in n for n in estimate(tied, s).notes)
         assert not any("_use_unsharded_views" in n for n in estimate(untied, s).notes)
-    assert not any("_use_unsharded_views" in n for n in estimate(tied, Setup(fsdp="full_shard", gpus=2, method="lora")).notes)
+    assert not any("_use_unsharded_views" in n
+                   for n in estimate(tied, Setup(fsdp="full_shard", gpus=2, method="lora")).notes)
     plan = vramplan.plan(tied, "a100-80gb", gpus=2, zero_stage=0, method="lora")
     setups = [plan.setup] + [a.setup for a in plan.alternatives]
     assert not any(s.fsdp == "no_shard" for s in setups)
@@ -158,11 +160,13 @@ def test_plan_weighs_fsdp_against_zero_on_several_gpus():
     from vramplan.search import savers_text
 
     free = vramplan.plan(MODEL, "a100-80gb", gpus=8)
-    lines = [savers_text(a.setup) for a in free.alternatives] + [r.reason for r in free.rejected]
-    assert any("FSDP" in line for line in lines), lines
     fixed = vramplan.plan(MODEL, "a100-80gb", gpus=8, fsdp="full_shard")
     assert fixed.fits and fixed.setup.fsdp == "full_shard" and fixed.setup.zero_stage == 0
     assert all("FSDP FULL_SHARD" in r.reason for r in fixed.rejected)
+    # FSDP is in the free search's space: at the same method it never beats the free plan
+    assert fixed.setup.method != free.setup.method or free.tokens_per_s >= fixed.tokens_per_s * 0.999
+    lines = [savers_text(a.setup) for a in fixed.alternatives] + [savers_text(fixed.setup)]
+    assert all("FSDP" in line for line in lines), lines
     one = vramplan.plan(MODEL, "a100-80gb", zero_stage=0)  # one GPU: FSDP only when asked for
     assert one.setup.fsdp == "none" and all(a.setup.fsdp == "none" for a in one.alternatives)
 
@@ -210,7 +214,8 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
         plan = Plan(model=m.name, setup=setup, breakdown=estimate(m, setup))
         path = tmp_path / ACCELERATE_CONFIG
         path.write_text(render(plan, ["accelerate"])[ACCELERATE_CONFIG])
-        args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+        args, _, _ = _validate_launch_command(
+            launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
         assert args.use_fsdp and args.num_processes == setup.gpus
         env = prepare_multi_gpu_env(args)
         for k, v in env.items():
@@ -230,8 +235,8 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
 
 
 pytest.importorskip("torch")
-from vramplan.run.fsdp import UNVERIFIED, compare_setups
-from vramplan.run.tiny import TINY_SEQ
+from vramplan.run.fsdp import UNVERIFIED, compare_setups  # noqa: E402 (after the importorskip)
+from vramplan.run.tiny import TINY_SEQ  # noqa: E402
 
 N2 = [{"fsdp": "full_shard"}, {"fsdp": "shard_grad_op"}, {"fsdp": "no_shard"},
       {"fsdp": "full_shard", "offload_params": "cpu"}, {"fsdp": "full_shard", "method": "lora"},

@@ -4,7 +4,8 @@ calibration/gpu-sweep.yaml estimates, emits and fits the time budget, and the CU
 parts (NVML device choice and fallback, the emulated card's memory fraction, the record) hold.
 
 The whole script runs here as a rehearsal (minutes: a fresh venv, the wheels, a CPU slice of the
-matrix), not as a test:  bash calibration/build_wheels.sh && OUT=/tmp/rehearsal REHEARSE=cpu bash calibration/gpu_sweep.sh
+matrix), not as a test:
+    bash calibration/build_wheels.sh && OUT=/tmp/rehearsal REHEARSE=cpu bash calibration/gpu_sweep.sh
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _requires(dist: str) -> set[str]:
     out = set()
     for text in metadata.requires(dist) or []:
         req = Requirement(text)
-        if req.marker is None or req.marker.evaluate({"extra": "", "sys_platform": "linux", "platform_system": "Linux"}):
+        env = {"extra": "", "sys_platform": "linux", "platform_system": "Linux"}
+        if req.marker is None or req.marker.evaluate(env):
             out.add(_norm(req.name))
     return out
 
@@ -144,7 +146,8 @@ def test_every_gpu_sweep_run_estimates_and_emits(tmp_path):
     assert len(spec.runs) >= 20
     for i, run in enumerate(spec.runs):
         gpu = load_gpu(run.emulate_gpu) if run.emulate_gpu else load_gpu("h200")
-        plan = Plan(model=run.model, setup=run.setup, breakdown=estimate(load_model(run.model), run.setup, gpu), gpu=gpu)
+        plan = Plan(model=run.model, setup=run.setup, breakdown=estimate(load_model(run.model), run.setup, gpu),
+                    gpu=gpu)
         out = tmp_path / str(i)
         emit_to_dir(plan, out, ("trainer",), force=True)
         assert (out / "train.py").is_file() and (out / "config.json").is_file(), run.name

@@ -30,6 +30,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
         ["gpus"],
         ["plan", "llama-3.1-8b", "--gpu", "rtx-4090"],
         ["plan", "llama-3.1-70b", "--gpu-memory", "12GiB", "--json"],
+        ["estimate", "tests/data/configs/torchtune/llama3_2_1B_lora_single_device.yaml", "--gpu", "rtx-4090"],
     ],
     ids=lambda a: " ".join(a),
 )
@@ -58,6 +59,12 @@ ALLOWED = {
     ("plan", "llama-3.1-8b", "--gpu", "rtx-4090"): {"click", "rich"},
     ("models", "--json"): {"click"},
     ("gpus", "--json"): {"click"},
+    # a training config (vramplan.readers): YAML needs yaml (cython_runtime: the module its C
+    # loader's Cython extension registers), and nothing else
+    ("estimate", "tests/data/configs/axolotl/lora-1b.yml", "--model", "llama-3.2-1b", "--json"):
+        {"click", "yaml", "cython_runtime"},
+    ("estimate", "tests/data/configs/llamafactory/qwen3_full_sft.yaml", "--model", "qwen3-4b", "--json"):
+        {"click", "yaml", "cython_runtime"},
 }
 
 
@@ -83,7 +90,8 @@ def test_cli_paths_import_only_the_allow_list(args):
 
 def test_check_command_and_pytest_plugin_do_not_import_torch(tmp_path):
     spec = tmp_path / "checks.yaml"
-    spec.write_text("checks:\n  - {name: a, model: llama-3.1-8b, gpu: rtx-4090, setup: {method: qlora, checkpointing: true}}\n")
+    spec.write_text("checks:\n  - {name: a, model: llama-3.1-8b, gpu: rtx-4090, "
+                    "setup: {method: qlora, checkpointing: true}}\n")
     baseline = tmp_path / "vram-baseline.json"
     run_python(
         f"""

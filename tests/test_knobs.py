@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
-from vramplan.run.cpu_truth import (
+from vramplan.run.cpu_truth import (  # noqa: E402 (after the importorskips)
     build_model,
     make_optimizer,
     quant_state_tensors,
@@ -36,7 +36,8 @@ def llama():
     return cfg, model_spec_from_config(cfg, name="llama-narrow")
 
 
-@pytest.mark.parametrize("setup", [Setup(method="qlora", seq=64), Setup(method="qlora", quant="fp4", double_quant=False, seq=64),
+@pytest.mark.parametrize("setup", [Setup(method="qlora", seq=64),
+                                   Setup(method="qlora", quant="fp4", double_quant=False, seq=64),
                                    Setup(method="lora", quant="int8", seq=64)], ids=["nf4-dq", "fp4", "int8"])
 def test_quantized_weights_are_counted_exactly(llama, setup):
     """Weights as loaded (4-bit packs, absmax, nested double-quant state, LLM.int8 row scales, the
@@ -64,14 +65,15 @@ def test_quantized_step_within_5_percent_of_a_real_cpu_run(llama, setup):
     cfg, spec = llama
     truth = run_step(cfg, setup)
     est = estimate(spec, setup)
-    assert abs(est.tensor_peak_bytes / truth.tensor_peak_bytes - 1) <= 0.05, (truth.phase_peaks_bytes, est.phase_peaks_bytes)
+    assert abs(est.tensor_peak_bytes / truth.tensor_peak_bytes - 1) <= 0.05, (truth.phase_peaks_bytes,
+                                                                               est.phase_peaks_bytes)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw-8bit", "paged-adamw-8bit", "lion", "adafactor", "sgd"])
 def test_optimizer_states_match_the_real_optimizer(llama, optimizer):
     """States after one real step (bitsandbytes' 8-bit blocks, fp32 states under 4096 elements and
-    for the embeddings the Trainer registers 32-bit, Lion's fp32 state; Adafactor's factored moments; SGD's momentum) equal the estimate, paged
-    states excepted (they are managed memory on CUDA: paged_optimizer_states)."""
+    for the embeddings the Trainer registers 32-bit, Lion's fp32 state; Adafactor's factored moments; SGD's
+    momentum) equal the estimate, paged states excepted (they are managed memory on CUDA: paged_optimizer_states)."""
     cfg, spec = llama
     setup = Setup(optimizer=optimizer, seq=32)
     model = build_model(cfg, setup)
@@ -101,10 +103,12 @@ def test_paged_states_leave_the_tensor_peak_but_not_the_device(llama):
 
 
 @pytest.mark.parametrize("setup", [Setup(seq=256, optimizer="adafactor"), Setup(seq=256, optimizer="adamw-fused"),
-                                   Setup(seq=256, precision="bf16-mixed"), Setup(seq=256, method="lora", precision="fp16-mixed"),
+                                   Setup(seq=256, precision="bf16-mixed"),
+                                   Setup(seq=256, method="lora", precision="fp16-mixed"),
                                    Setup(seq=256, grad_accum=3), Setup(seq=512, batch=4, loss="chunked"),
                                    Setup(seq=512, batch=4, method="lora", loss="chunked")],
-                         ids=["adafactor", "fused", "bf16-mixed", "lora-fp16-mixed", "accum", "chunked", "lora-chunked"])
+                         ids=["adafactor", "fused", "bf16-mixed", "lora-fp16-mixed", "accum", "chunked",
+                              "lora-chunked"])
 def test_traced_knobs_within_2_percent(setup):
     """Real widths (Llama-3.2-1B, two layers, tied embeddings): every phase within 2 %."""
     from vramplan.run.tracer import trace

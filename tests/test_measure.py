@@ -77,7 +77,7 @@ def runs(tmp_path_factory):
 
         results = run_many(requests, tmp / "batch", timeout_s=240)
         out = {name: m.to_measurement(p, options, r, ref, sc, "cpu")
-               for (name, (p, ref, sc)), r in zip(plans.items(), results)}
+               for (name, (p, ref, sc)), r in zip(plans.items(), results, strict=False)}
         out["oom"] = m.to_measurement(plans["full"][0], capped, results[len(plans)], MODEL, None, "cpu")
         out["timeout"] = results[-1]
         return out
@@ -255,7 +255,8 @@ def test_sweep_order_and_budget_without_running(tmp_path):
     result = CliRunner().invoke(main, ["sweep", str(matrix), "--budget", "soon"])
     assert result.exit_code == 2 and result.output.startswith("error: --budget")
     gptq = tmp_path / "gptq.yaml"
-    gptq.write_text(CPU_MATRIX.replace("runs:", "runs:\n  - {name: q, model: llama-3.2-1b, setup: {method: lora, quant: gptq}}", 1))
+    gptq.write_text(CPU_MATRIX.replace(
+        "runs:", "runs:\n  - {name: q, model: llama-3.2-1b, setup: {method: lora, quant: gptq}}", 1))
     result = CliRunner().invoke(main, ["sweep", str(gptq), "--dry-run"])
     assert result.exit_code == 2 and "(q): --quant gptq cannot be measured" in result.output, result.output
 

@@ -53,7 +53,8 @@ def test_assert_fits_passes_and_fails_with_the_breakdown(pytester, run_user):
     result = run_user()
     result.assert_outcomes(passed=2, failed=1)
     out = result.stdout.str()
-    result.stdout.fnmatch_lines(["*meta-llama/Llama-3.1-8B (full*) does not fit on rtx-4090: needs * GiB, 23.63 GiB usable (* GiB short)"])
+    result.stdout.fnmatch_lines(["*meta-llama/Llama-3.1-8B (full*) does not fit on rtx-4090: "
+                                 "needs * GiB, 23.63 GiB usable (* GiB short)"])
     for line in ("optimizer_states", "device_total_bytes", "weights"):
         assert line in out
     assert "Traceback" not in out

@@ -54,6 +54,12 @@ def test_terminal_bar_spans_the_card(fitting, failing):
     assert "|" in over.plain and "·" not in over.plain  # the limit is marked inside a full bar
 
 
+def test_html_says_which_host_ram_was_checked(fitting):
+    page = html_report(fitting)
+    gib = fitting.host_ram_bytes / GiB
+    assert f"<th>host RAM checked</th><td>{gib:,.1f} GiB per node ({fitting.host_ram_source})" in page
+
+
 def test_html_is_standalone(fitting, failing):
     page = html_report(fitting)
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")

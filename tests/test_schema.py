@@ -135,7 +135,8 @@ def test_models_and_gpus_json(validate, schemas):
     validate("gpus", gpus)
     fields = {f.name for f in dataclasses.fields(S.GpuSpec)}
     props = set(schemas["gpus"]["items"]["properties"])
-    assert fields == props, f"docs/schema/gpus.schema.json: add {sorted(fields - props)}, remove {sorted(props - fields)}"
+    assert fields == props, (f"docs/schema/gpus.schema.json: add {sorted(fields - props)}, "
+                             f"remove {sorted(props - fields)}")
     with pytest.raises(jsonschema.ValidationError):
         validate("gpus", [{**gpus[0], "usable_memory_bytes": "24GiB"}])
 
@@ -167,7 +168,8 @@ def _cuda_result(tensor_peak: int, step: int) -> dict:
     return {
         "device": "cuda", "oom": False, "world_size": 1, "rank": 0,
         "gpu_name": "NVIDIA H200", "gpu_total_bytes": 150_754_820_096, "compute_capability": "9.0", "cuda": "12.8",
-        "cuda_context_bytes": 430 * MiB + step, "memory_source": "nvml", "driver": "570.124.06", "nvml_name": "NVIDIA H200",
+        "cuda_context_bytes": 430 * MiB + step, "memory_source": "nvml", "driver": "570.124.06",
+        "nvml_name": "NVIDIA H200",
         "tensor_peak_bytes": tensor_peak,
         "tensor_phase_peaks_bytes": {"build": tensor_peak // 4, "forward": tensor_peak // 2, "backward": tensor_peak,
                                      "optimizer": tensor_peak - 1},
@@ -237,7 +239,8 @@ def test_measurement_records_and_measure_json(validate, schemas, measurements, t
         m.save(meas, tmp_path)
         validate("measure-result", {**meas.to_json(), "comparison": m.comparison(meas)})  # what measure --json prints
     records = m.read_records(tmp_path)
-    assert len(records) == len(measurements) and {p.name for p in tmp_path.iterdir()} == {"nvidia-h200.jsonl", "cpu.jsonl"}
+    assert len(records) == len(measurements)
+    assert {p.name for p in tmp_path.iterdir()} == {"nvidia-h200.jsonl", "cpu.jsonl"}
     for record in records:
         validate("measurement", record)
     assert set(records[0]) == set(schemas["measurement"]["$defs"]["fields"]["properties"])
@@ -264,9 +267,12 @@ def test_calibrate_coefficients(validate, measurements, tmp_path):
     written = json.loads(out.read_text())
     assert written == printed and written["runs"] == 4 and written["records_seen"] == len(measurements)
     assert "pooled" in written["groups"] and any(g.startswith("sm90/torch-") for g in written["groups"])
-    empty = cli_json("calibrate", "--records", str(tmp_path / "none"), "--out", str(tmp_path / "c.json"), "--json")
+    assert written["groups"]["sm80/torch-2.4"]["source"] == "published"  # the published rows fit too
+    empty = cli_json("calibrate", "--records", str(tmp_path / "none"), "--out", str(tmp_path / "c.json"), "--json",
+                     "--no-published")
     validate("coefficients", empty)
     assert empty["groups"] == {} and empty["flags"]
+    validate("coefficients", json.loads((Path(__file__).parents[1] / "calibration" / "coefficients.json").read_text()))
 
 
 def test_sweep_json_without_running(validate, measurements, tmp_path):

@@ -1,6 +1,6 @@
 """Published throughput records (calibration/throughput/) and the comparison arithmetic of
-vramplan.throughput. The accuracy bar itself (median predicted/measured 0.85-1.15, >= 85 % of pairs
-ordered) is printed by benchmarks/throughput_accuracy.py, not asserted here yet."""
+vramplan.throughput, the refit (vramplan.cost_fit) and `vramplan validate --throughput`. The accuracy bar
+itself is guarded in tests/test_cost.py and printed by benchmarks/throughput_accuracy.py."""
 
 from __future__ import annotations
 
@@ -114,13 +114,53 @@ def test_compare_predicts_every_comparable_row(records):
     assert all(r.predicted_tokens_per_s > 0 and r.measured_tokens_per_s > 0 for r in rows)
 
 
-def test_cost_fit_prototype_fits_and_predicts(records):
-    pytest.importorskip("numpy")
-    from vramplan import cost_fit
+def test_cost_fit_refits_and_predicts(records):
+    from vramplan import cost, cost_fit
 
     fit = cost_fit.fit(records)
-    assert set(fit.constants) == set(cost_fit.FITTED)
+    assert set(fit.constants) == set(cost.CONSTANTS)
     assert all(v >= 0 for v in fit.constants.values())
     assert set(fit.residuals) == {r["id"] for r in comparable(records)}
     rows = compare(records, cost_fit.predictor(fit.constants))
     assert len(rows) == len(comparable(records))
+    loo = cost_fit.leave_one_out(records)
+    assert [r.id for r in loo] == [r.id for r in rows]
+    assert summarize(loo).median_ratio != summarize(rows).median_ratio  # held-out rows are predicted, not fitted
+
+
+def test_normal_equations_solve_a_known_system():
+    from vramplan.cost_fit import _solve
+
+    a = [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]
+    x = (3.0, -1.0)
+    b = [sum(c * v for c, v in zip(r, x, strict=True)) for r in a]
+    assert _solve(a, b) == pytest.approx(list(x))
+
+
+def test_validate_throughput_prints_the_table_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from vramplan.cli import main; "
+            "r = CliRunner().invoke(main, ['validate', '--throughput']); print(r.output); "
+            "print('TORCH', 'torch' in sys.modules); sys.exit(r.exit_code)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "TORCH False" in out.stdout
+    assert "fms-a100_80gb-r008" in out.stdout and "median predicted/measured" in out.stdout
+    assert "pairs ordered as measured 28/28" in out.stdout
+
+
+def test_validate_throughput_json():
+    from click.testing import CliRunner
+
+    from vramplan.cli import main
+
+    r = CliRunner().invoke(main, ["validate", "--throughput", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert len(data["rows"]) == len(comparable(load_records()))
+    s = data["summary"]
+    assert s["meets_bar"] is (0.85 <= s["median_ratio"] <= 1.15 and s["pair_share"] >= 0.85)
+    row = data["rows"][0]
+    assert row["ratio"] == pytest.approx(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"], rel=1e-3)

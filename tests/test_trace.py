@@ -10,9 +10,11 @@ from vramplan.specs import Setup, SpecError
 pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("setup", [Setup(seq=256), Setup(method="lora", seq=256), Setup(seq=256, checkpointing=True, batch=2)],
+@pytest.mark.parametrize("setup", [Setup(seq=256), Setup(method="lora", seq=256),
+                                   Setup(seq=256, checkpointing=True, batch=2)],
                          ids=["full", "lora", "full-ckpt-b2"])
-@pytest.mark.parametrize("name, seq", [("llama-3.2-1b", 256), ("gpt2", 256), ("qwen3-30b-a3b", 64), ("gemma-3-1b", 512)])
+@pytest.mark.parametrize("name, seq", [("llama-3.2-1b", 256), ("gpt2", 256), ("qwen3-30b-a3b", 64),
+                                       ("gemma-3-1b", 512)])
 def test_extrapolation_equals_full_depth_trace(name, seq, setup):
     """Six layers traced whole and traced at two depths (per layer type for Gemma3, whose sixth
     layer is full attention and whose sliding layers are masked at seq 512) agree exactly."""
@@ -40,7 +42,8 @@ def test_weights_states_and_logits_are_counted_exactly():
     assert fwd["temporaries"] >= 6 * 128 * model.vocab_size
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b", "mixtral-8x7b", "qwen1.5-moe", "qwen3-30b-a3b", "deepseek-v2-lite", "gpt2"])
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "mixtral-8x7b", "qwen1.5-moe", "qwen3-30b-a3b", "deepseek-v2-lite",
+                                  "gpt2"])
 @pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
 def test_lora_trainable_count_matches_peft(name, targets):
     """peft's own count, MoE conversions (ParamWrapper on fused experts and routers) included."""

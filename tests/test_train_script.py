@@ -188,8 +188,8 @@ def test_train_script_is_importable_with_extra_callbacks(emitted):
             error = str(exc)
         print(json.dumps({{"steps": Count.steps, "row": row, "error": error, "int8_linears": bnb}}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], check=False, cwd=folder, env=_env(), capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], check=False, cwd=folder, env=_env(), capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-5000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["steps"] == 3

@@ -69,8 +69,9 @@ def family_config(draw):
 _HUNT = os.environ.get("VRAMPLAN_UNSEEN_EXAMPLES")
 
 
-@settings(max_examples=int(_HUNT or 30), derandomize=not _HUNT, database=None if not _HUNT else settings.default.database,
-          deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(_HUNT or 30), derandomize=not _HUNT,
+          database=None if not _HUNT else settings.default.database, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(
     fam_cfg=family_config(),
     method=st.sampled_from(["full", "lora"]),
@@ -88,4 +89,5 @@ def test_unseen_config_within_5_percent_of_trace(fam_cfg, method, checkpointing,
     assert traced.params_total - (traced.params_trainable if setup.adapters else 0) == model.params_total
     err = estimated.tensor_peak_bytes / traced.tensor_peak_bytes - 1
     tolerance = 0.05
-    assert abs(err) <= tolerance, f"{family} {setup}: estimate {estimated.tensor_peak_bytes:,} vs trace {traced.tensor_peak_bytes:,} ({err:+.2%})"
+    assert abs(err) <= tolerance, (f"{family} {setup}: estimate {estimated.tensor_peak_bytes:,} vs trace "
+                                   f"{traced.tensor_peak_bytes:,} ({err:+.2%})")

@@ -123,10 +123,12 @@ def test_measured_column_reads_the_records(tmp_path):
 
     setup = Setup(method="lora", checkpointing=True)
     est = estimate(load_model("qwen2-0.5b"), setup, load_gpu("h200")).to_json()
-    measured = {"tensor_peak_bytes": est["tensor_peak_bytes"], "peak_allocated_bytes": int(est["peak_allocated_bytes"] * 1.02),
-                "peak_reserved_bytes": int(est["peak_reserved_bytes"] * 0.9), "device_total_bytes": est["device_total_bytes"],
-                "oom": False}
-    for device, meas in (("cuda", measured), ("cpu", {"tensor_peak_bytes": est["tensor_peak_bytes"] // 2, "oom": False}),
+    measured = {"tensor_peak_bytes": est["tensor_peak_bytes"],
+                "peak_allocated_bytes": int(est["peak_allocated_bytes"] * 1.02),
+                "peak_reserved_bytes": int(est["peak_reserved_bytes"] * 0.9),
+                "device_total_bytes": est["device_total_bytes"], "oom": False}
+    for device, meas in (("cuda", measured),
+                         ("cpu", {"tensor_peak_bytes": est["tensor_peak_bytes"] // 2, "oom": False}),
                          ("cuda", {"oom": True, "oom_phase": "backward"}), ("cuda", {"failed": True, "timeout": True})):
         save(Measurement("Qwen/Qwen2-0.5B", setup, device, 3, est, meas, {"gpu_name": "NVIDIA H200"}), tmp_path)
     rows = measured_rows(tmp_path)

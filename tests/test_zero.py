@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO: the per-rank estimate against the real engine run with N processes.
 
 The truth (vramplan/run/distributed.py; its ranks run vramplan/run/zero_worker.py) launches N CPU
-processes (DeepSpeed's CPU accelerator, gloo) on a tiny Llama with random weights, runs the canonical step twice and counts each rank's
-live tensors, the offloaded (host) ones apart. One launch per world size runs every setup, so the
+processes (DeepSpeed's CPU accelerator, gloo) on a tiny Llama with random weights, runs the canonical step twice
+and counts each rank's live tensors, the offloaded (host) ones apart. One launch per world size runs every setup, so the
 whole module costs four launches (two on the tiny Llama, one on a tiny Qwen3-MoE, one on a tiny
 Mixtral; about 60 s on 2 cores). The 4-rank matrix is in benchmarks/zero_accuracy.py.
 """
@@ -78,7 +78,8 @@ def test_estimate_matches_every_rank(measured, base, world, kw):
         kw.get("method") == "lora" else set()
     for rank in run.ranks:
         err = est.tensor_peak_bytes / rank.device_bytes - 1
-        assert abs(err) <= TOLERANCE, f"rank {rank.rank}: estimate {est.tensor_peak_bytes} vs {rank.device_bytes} ({err:+.1%})"
+        assert abs(err) <= TOLERANCE, (f"rank {rank.rank}: estimate {est.tensor_peak_bytes} vs {rank.device_bytes} "
+                                       f"({err:+.1%})")
         for phase, truth in rank.phase_peaks.items():  # the step's and gradients' terms too
             if phase in unmodelled:
                 assert truth <= rank.device_bytes and est.phase_peaks_bytes[phase] <= est.tensor_peak_bytes

@@ -11,12 +11,27 @@ first use.
 
 from __future__ import annotations
 
+import os as _os
+import signal as _signal
+import sys as _sys
 from typing import TYPE_CHECKING, Any
 
-from .estimator import estimate
-from .profiles import load_gpu, load_model
-from .search import plan
-from .specs import Breakdown, GpuSpec, ModelSpec, Plan, Setup, SpecError
+
+def _interrupted_at_startup(signum, frame) -> None:  # pragma: no cover - timing dependent
+    _os.write(2, b"error: interrupted\n")
+    _os._exit(130)
+
+
+# Run as the `vramplan` command (never when a program imports vramplan): Ctrl-C while the modules
+# import is one line and exit 130, not a traceback; vramplan.cli restores the default handler.
+if (_os.path.basename(_sys.argv[0] if _sys.argv else "") in ("vramplan", "__main__.py", "-m")
+        and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler):
+    _signal.signal(_signal.SIGINT, _interrupted_at_startup)
+
+from .estimator import estimate  # noqa: E402
+from .profiles import load_gpu, load_model  # noqa: E402
+from .search import plan  # noqa: E402
+from .specs import Breakdown, GpuSpec, ModelSpec, Plan, Setup, SpecError  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
     from .run.tracer import trace

@@ -61,9 +61,11 @@ class _Layers:
         self.linears: list[LinearSpec] = []
         self.other: dict[str, int] = {}
 
-    def linear(self, path: str, d_in: int, d_out: int, bias: bool, role: str, count: int | None = None, top: bool = False) -> None:
+    def linear(self, path: str, d_in: int, d_out: int, bias: bool, role: str, count: int | None = None,
+               top: bool = False) -> None:
         full = path if top else f"{self.prefix}.*.{path}"
-        self.linears.append(LinearSpec(path.rsplit(".", 1)[-1], full, d_in, d_out, bool(bias), self.L if count is None else count, role))
+        self.linears.append(LinearSpec(path.rsplit(".", 1)[-1], full, d_in, d_out, bool(bias),
+                                       self.L if count is None else count, role))
 
     def add(self, name: str, n: int) -> None:
         if n:
@@ -343,11 +345,10 @@ def _gptj(cfg: dict, name: str, source: str) -> ModelSpec:
 
 def model_spec_from_config(config: dict, *, name: str | None = None, source: str = "") -> ModelSpec:
     """Build a ModelSpec from an HF config dict (the parsed config.json), its family traits included."""
-    if not isinstance(config, dict):
-        raise SpecError("config.json must hold a JSON object")
-    mt = config.get("model_type")
-    if not mt:
-        raise SpecError("config.json has no model_type; is it a transformers model config?")
+    from .rawinput import check_model_config  # the input layer: kinds and bounds of every value read here
+
+    where = source if source and not source.startswith(("profile:", "hub:")) else "config.json"
+    mt = check_model_config(config, where)["model_type"]
     if isinstance(config.get("text_config"), dict) and mt not in FAMILIES:
         raise SpecError(f"model_type {mt!r} is multimodal; pass its text model's config (text_config)")
     name = name or str(config.get("_name_or_path") or mt)

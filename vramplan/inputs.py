@@ -11,16 +11,56 @@ its node graph, before anything walks the expanded data. JSON's ``NaN``/``Infini
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+from .rawinput import (  # re-exported: the readers that need no shipped data
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    check_model_config,
+    count_shown,
+    loads_json,
+    read_model_config,
+    read_text,
+    shown_value,
+)
 from .specs import GpuSpec, Setup, SpecError
 
-MAX_FILE_BYTES = 4 * 1024 * 1024
-MAX_DEPTH = 64
+__all__ = ["MAX_COUNTS", "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_GPU_BYTES", "MAX_NODES", "MAX_YAML_BYTES", "MIN_GPU_BYTES",
+           "ambiguous_gpu_alias", "check_count", "check_model_config", "compose_yaml", "construct_yaml",
+           "count_shown", "load_structured", "loads_json", "loads_yaml", "read_model_config", "read_text",
+           "resolve_gpu", "setup_from_mapping", "shown_value"]
+
 MAX_NODES = 200_000
+#: YAML is parsed node by node (a composed graph is checked before it is built): 1 MiB keeps the
+#: worst file under a second; vramplan's own plan and checks files are a few kB.
+MAX_YAML_BYTES = 1024 * 1024
+
+#: The largest value each count accepts, wherever it enters (CLI options, plan files, checks
+#: files, Python's ``plan()``): beyond these a number is a typo, and the search's work stays
+#: bounded. Field or option name -> limit.
+MAX_COUNTS: dict[str, int] = {
+    "batch": 1 << 16,            # micro-batch per GPU
+    "seq": 1 << 24,              # 16M tokens per sequence
+    "grad_accum": 1 << 16,
+    "gpus": 1 << 16,             # GPUs in all
+    "nodes": 1 << 16,
+    "lora_rank": 1 << 16,
+    "lora_alpha": 1 << 24,
+    "global_batch": 1 << 24,     # sequences per optimizer step
+    "tokens_per_step": 1 << 40,  # ~1.1T tokens per optimizer step
+    "dataset_tokens": 10**16,
+}
+
+
+def check_count(name: str, value: Any, flag: str | None = None) -> Any:
+    """``value`` when within :data:`MAX_COUNTS` (None and non-ints pass: others check them)."""
+    limit = MAX_COUNTS.get(name)
+    if limit is not None and isinstance(value, int) and not isinstance(value, bool) and value > limit:
+        raise SpecError(f"{flag or name} must be at most {limit:,}; got {count_shown(value)}")
+    return value
 
 # ----------------------------------------------------------------------------------------------
 # GPUs
@@ -74,8 +114,34 @@ def resolve_gpu(gpu: Any = None, gpu_memory: Any = None, *, where: str | None = 
         except (ValueError, OverflowError, TypeError) as exc:
             text = str(exc) or f"cannot read {gpu_memory!r}"
             raise fail(f"{mem_flag}: {text}") from None
+        if 0 < size < MIN_GPU_BYTES:
+            text = str(gpu_memory).strip()
+            bare = text.replace(".", "", 1).isdigit()
+            hint = f"; did you mean {text}GiB?" if bare else ""
+            raise fail(f"{mem_flag} {text} is {size:,} bytes, less than any GPU (at least 64 MiB){hint}")
         return _custom(size, fail, mem_flag)
     return None
+
+
+#: The smallest ``--gpu-memory`` accepted: below it a size is a missing unit (``24`` for 24GiB).
+MIN_GPU_BYTES = 64 << 20
+
+
+def ambiguous_gpu_alias(name: str) -> tuple[str, list[str]] | None:
+    """``(chosen, others)`` when a shipped alias such as ``a100`` names one of several cards (it
+    resolves to ``chosen``, the most common one; ``others`` are the cards it could also mean), else
+    None. The command line warns with both, so the card is never picked silently."""
+    from .profiles import gpus, load_gpu
+
+    try:
+        chosen = load_gpu(name).name
+    except SpecError:
+        return None
+    key = name.strip().lower().replace(" ", "-").replace("_", "-").removeprefix("nvidia-")
+    if key == chosen:
+        return None
+    others = [g.name for g in gpus() if g.name != chosen and (g.name.startswith(key + "-") or g.name == key)]
+    return (chosen, others) if others else None
 
 
 #: The largest GPU memory accepted (1 PiB): beyond it a number is a typo, not a card.
@@ -111,6 +177,8 @@ def setup_from_mapping(data: Any, where: str) -> Setup:
         if key not in defaults:
             continue  # Setup.from_dict names it with the known keys
         default = defaults[key]
+        if key == "lora_alpha" and value is not None:
+            default = 0  # an int or null
         if isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
@@ -123,7 +191,10 @@ def setup_from_mapping(data: Any, where: str) -> Setup:
             ok = True
         if not ok:
             kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[type(default)]
-            raise SpecError(f"{where}: {key} must be {kind}; got {value!r}")
+            raise SpecError(f"{where}: {key} must be {kind}; got {shown_value(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SpecError(f"{where}: {key} must be a finite number; got {value!r}")
+        check_count(key, value, f"{where}: {key}")
     try:
         return Setup.from_dict(data)
     except (SpecError, TypeError) as exc:
@@ -134,65 +205,15 @@ def setup_from_mapping(data: Any, where: str) -> Setup:
 # Files
 
 
-def read_text(path: str | os.PathLike, what: str = "file") -> str:
-    """A text file's contents, refused when missing, a directory, too large or not UTF-8."""
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        if p.is_dir():
-            raise SpecError(f"{path}: is a directory, not a {what}")
-        if size > MAX_FILE_BYTES:
-            raise SpecError(f"{path}: {size:,} bytes is too large for a {what} (limit {MAX_FILE_BYTES:,})")
-        return p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such {what}") from None
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a number vramplan accepts")
-
-
-def loads_json(text: str, where: str) -> Any:
-    """JSON text to data; NaN/Infinity, depth over MAX_DEPTH and malformed text are SpecErrors."""
-    if len(text) > MAX_FILE_BYTES:
-        raise SpecError(f"{where}: too large (limit {MAX_FILE_BYTES:,} bytes)")
-    try:
-        data = json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{where}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    except ValueError as exc:
-        raise SpecError(f"{where}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise SpecError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
-    _check_depth(data, where)
-    return data
-
-
-def _check_depth(data: Any, where: str) -> None:
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise SpecError(f"{where}: nested deeper than {MAX_DEPTH} levels")
-        if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
-            stack.extend((k, depth + 1) for k in value if isinstance(k, (tuple, dict, list)))
-        elif isinstance(value, (list, tuple)):
-            stack.extend((v, depth + 1) for v in value)
-
-
 def compose_yaml(text: str, where: str):
     """The YAML document's root node (or None for an empty document), after the limits: depth
     and the size its aliases expand to are computed on the node graph, without expanding it."""
     import yaml
 
-    if len(text) > MAX_FILE_BYTES:
-        raise SpecError(f"{where}: too large (limit {MAX_FILE_BYTES:,} bytes)")
-    loader = yaml.SafeLoader(text)
+    if len(text) > MAX_YAML_BYTES:
+        raise SpecError(f"{where}: {len(text):,} bytes is too large for YAML (limit {MAX_YAML_BYTES:,}; "
+                        "plan and checks files are a few kB)")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)  # libyaml's parser where installed: 10x faster
     try:
         node = loader.get_single_node()
     except yaml.YAMLError as exc:

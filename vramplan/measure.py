@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,7 +279,9 @@ def _workdir(options: MeasureOptions) -> tuple[Path, bool]:
         path = Path(options.keep_dir)
         path.mkdir(parents=True, exist_ok=True)
         return path, False
-    return Path(tempfile.mkdtemp(prefix="vramplan-measure-")), True
+    from .fileio import make_temp_dir
+
+    return make_temp_dir("measure"), True
 
 
 def measure_plan(plan: Plan, options: MeasureOptions, *, model_ref: str | None = None,
@@ -318,7 +319,7 @@ def measure_plans(plans: list[tuple[Plan, str, dict | None]], options: MeasureOp
     finally:
         if temporary:
             shutil.rmtree(workdir, ignore_errors=True)
-    return [to_measurement(p, options, r, ref, sc, "cpu") for (p, ref, sc), r in zip(plans, results)]
+    return [to_measurement(p, options, r, ref, sc, "cpu") for (p, ref, sc), r in zip(plans, results, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,17 +45,10 @@ def _close(name: str, options) -> str:
 
 
 def _read_config(path: Path) -> dict:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if not isinstance(cfg, dict):
-        raise SpecError(f"{path} must hold a JSON object")
-    return cfg
+    """A config.json through the input layer (size, UTF-8, JSON limits, value kinds)."""
+    from .rawinput import read_model_config
+
+    return read_model_config(path)
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,6 +151,8 @@ def _gpu_table() -> tuple[dict[str, GpuSpec], dict[str, str]]:
             architecture=g.get("architecture", ""),
             compute_capability=g.get("compute_capability"),
             aliases=tuple(g.get("aliases", ())),
+            host_ram_per_gpu_bytes=g.get("host_ram_per_gpu_bytes"),
+            host_ram_note=g.get("host_ram_note", ""),
         )
         by_name[spec.name] = spec
         for n in (spec.name, *spec.aliases):

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .estimator import estimate
+from .estimator import DEFAULT_CORRECTIONS, Corrections, estimate
+from .estimator.stack import stack_from_versions
 from .profiles import load_gpu, load_model
 from .specs import Breakdown, ModelSpec, Setup, SpecError
 
@@ -28,6 +29,10 @@ QUANTITY_FIELD = {"allocated": "peak_allocated_bytes", "reserved": "peak_reserve
 
 #: an under-estimate beyond this share of the measurement counts against the estimator
 UNDER = 0.03
+
+#: a second number of the same run: secondary_measurements key -> (quantity, bytes per unit).
+#: fms-acceleration publishes the nvidia-smi peak (MiB, mean over the run's GPUs) beside allocated.
+SECONDARY = {"nvidia_smi_peak_memory_used_MiB_mean_over_devices": ("device_total", 2**20)}
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,11 @@ def resolve_model(ref: str) -> ModelSpec:
         return load_model(str(file))
 
 
-def estimate_record(record: dict) -> Breakdown:
-    return estimate(resolve_model(record["model"]), Setup.from_dict(record["setup"]), load_gpu(record["gpu"]))
+def estimate_record(record: dict, corrections: Corrections = DEFAULT_CORRECTIONS) -> Breakdown:
+    """The record's estimate, for the transformers version it states (estimator/stack.py), with
+    ``corrections`` (the published device terms, the raw model, by default)."""
+    return estimate(resolve_model(record["model"]), Setup.from_dict(record["setup"]), load_gpu(record["gpu"]),
+                    corrections, stack=stack_from_versions(record.get("versions", {})))
 
 
 def record_family(record: dict) -> str:
@@ -97,18 +105,25 @@ def record_family(record: dict) -> str:
 
 def compare(records: Iterable[dict], estimator: Callable[[dict], Breakdown] = estimate_record,
             family: Callable[[dict], str] = record_family) -> list[PublishedRow]:
-    """Every comparable record against its estimate (the number for its quantity); ``estimator``
-    and ``family`` are seams for tests."""
+    """Every comparable record against its estimate: the number for its quantity, and a second row
+    for a second number of the same run (:data:`SECONDARY`: nvidia-smi beside allocated);
+    ``estimator`` and ``family`` are seams for tests (and calibration passes its corrections)."""
     rows = []
     for r in records:
         if not r["comparable"]:
             continue
         est = estimator(r)
-        rows.append(PublishedRow(
-            id=r["id"], source=r["source"]["repo"], model=r["model"], method=r["setup"]["method"],
-            quantity=r["quantity"], family=family(r),
-            estimated_bytes=int(getattr(est, QUANTITY_FIELD[r["quantity"]])), measured_bytes=int(r["measured_bytes"]),
-            phase=est.phase, approximated=bool(r.get("approximations"))))
+        measured = [(r["quantity"], int(r["measured_bytes"]))]
+        for key, (quantity, unit) in SECONDARY.items():
+            value = (r.get("secondary_measurements") or {}).get(key)
+            if isinstance(value, (int, float)) and value > 0:
+                measured.append((quantity, int(value * unit)))
+        fam = family(r)
+        for quantity, measured_bytes in measured:
+            rows.append(PublishedRow(
+                id=r["id"], source=r["source"]["repo"], model=r["model"], method=r["setup"]["method"],
+                quantity=quantity, family=fam, estimated_bytes=int(getattr(est, QUANTITY_FIELD[quantity])),
+                measured_bytes=measured_bytes, phase=est.phase, approximated=bool(r.get("approximations"))))
     return rows
 
 

@@ -108,7 +108,8 @@ class Vram:
         """Estimate and fail the test, with the component table, unless it fits its GPU."""
         bd = self.estimate(model, setup, gpu, **setup_keys)
         if bd.gpu is None:
-            pytest.fail("vram.assert_fits needs a GPU: pass gpu= or mark the test with vram_budget(gpu=...)", pytrace=False)
+            pytest.fail("vram.assert_fits needs a GPU: pass gpu= or mark the test with vram_budget(gpu=...)",
+                        pytrace=False)
         if not bd.fits:
             pytest.fail(fit_message(bd), pytrace=False)
         return bd

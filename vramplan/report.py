@@ -145,7 +145,7 @@ table{border-collapse:collapse;width:100%;font-size:.9rem}td,th{border-bottom:1p
 th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .legend span{display:inline-block;margin-right:1rem;font-size:.85rem}.sw{display:inline-block;width:.8rem;height:.8rem;margin-right:.3rem;vertical-align:-.1rem}
 svg text{font-family:inherit;font-size:12px;fill:#333}.muted{color:#666;font-size:.85rem}
-"""
+"""  # noqa: E501 (CSS rules, one a line)
 
 
 def _e(x: object) -> str:
@@ -163,11 +163,13 @@ def breakdown_svg(bd: Breakdown, width: int = 880, height: int = 56) -> str:
     parts.append(f'<rect x="10" y="4" width="{bar_w}" height="{height}" fill="#f1f1f1" stroke="#bbb"/>')
     for seg in memory_segments(bd):
         w = seg.bytes / scale * bar_w
-        parts.append(f'<rect class="segment" x="{x:.2f}" y="4" width="{w:.2f}" height="{height}" fill="{seg.html_color}">'
+        parts.append(f'<rect class="segment" x="{x:.2f}" y="4" width="{w:.2f}" height="{height}" '
+                     f'fill="{seg.html_color}">'
                      f'<title>{_e(seg.name)}: {_gib(seg.bytes)} GiB</title></rect>')
         x += w
     lx = 10 + usable / scale * bar_w
-    parts.append(f'<line x1="{lx:.2f}" y1="0" x2="{lx:.2f}" y2="{height + 8}" stroke="#c0392b" stroke-width="2" stroke-dasharray="4 3"/>')
+    parts.append(f'<line x1="{lx:.2f}" y1="0" x2="{lx:.2f}" y2="{height + 8}" stroke="#c0392b" stroke-width="2" '
+                 'stroke-dasharray="4 3"/>')
     parts.append(f'<text x="{min(lx, width - 150):.2f}" y="{height + 22}">usable {_gib(usable)} GiB</text>')
     parts.append(f'<text x="10" y="{height + 22}">0</text>')
     parts.append("</svg>")
@@ -199,17 +201,20 @@ def pareto_svg(plan: Plan, width: int = 880, height: int = 360) -> str:
         out.append(f'<text x="{sx(gx):.1f}" y="{top + ph + 16}" text-anchor="middle">{_gib(gx)}</text>')
         out.append(f'<text x="{left - 6}" y="{sy(gy) + 4:.1f}" text-anchor="end">{gy:,.0f}</text>')
     out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">device memory (GiB)</text>')
-    out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" text-anchor="middle">tokens/s</text>')
+    out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
+               'text-anchor="middle">tokens/s</text>')
     ux = sx(usable)
-    out.append(f'<line x1="{ux:.1f}" y1="{top}" x2="{ux:.1f}" y2="{top + ph}" stroke="#c0392b" stroke-dasharray="5 4"/>')
+    out.append(f'<line x1="{ux:.1f}" y1="{top}" x2="{ux:.1f}" y2="{top + ph}" stroke="#c0392b" '
+               'stroke-dasharray="5 4"/>')
     out.append(f'<text x="{ux - 4:.1f}" y="{top + 12}" text-anchor="end" fill="#c0392b">usable</text>')
     # points are numbered as the alternatives table; only the chosen one is named on the plot
     for i, (label, mem, tps, quality) in reversed(list(enumerate(pts))):
         chosen = label == "chosen"
         fill = "#2d7d3a" if chosen else "#3b6fd8"
         x, y = sx(mem), sy(tps)
-        out.append(f'<circle class="point{" chosen" if chosen else ""}" cx="{x:.1f}" cy="{y:.1f}" r="{7 if chosen else 5}" '
-                   f'fill="{fill}" fill-opacity="0.85"><title>{_e(quality)}: {_gib(mem)} GiB, {tps:,.0f} tokens/s</title></circle>')
+        out.append(f'<circle class="point{" chosen" if chosen else ""}" cx="{x:.1f}" cy="{y:.1f}" '
+                   f'r="{7 if chosen else 5}" fill="{fill}" fill-opacity="0.85">'
+                   f'<title>{_e(quality)}: {_gib(mem)} GiB, {tps:,.0f} tokens/s</title></circle>')
         text = f"{_e(quality)} (chosen)" if chosen else str(i)
         anchor = "end" if x > left + pw * 0.75 else "start"
         dx = -10 if anchor == "end" else 8
@@ -239,17 +244,23 @@ def html_report(plan: Plan, title: str | None = None) -> str:
     rows = []
     rows.append(f"<tr><th>setup</th><td>{_e(describe(plan.setup))}</td></tr>")
     if gpu is not None:
-        rows.append(f"<tr><th>memory</th><td>{_gib(bd.device_total_bytes)} GiB of {_gib(gpu.usable_memory_bytes)} GiB usable"
+        rows.append(f"<tr><th>memory</th><td>{_gib(bd.device_total_bytes)} GiB of "
+                    f"{_gib(gpu.usable_memory_bytes)} GiB usable"
                     f" ({_gib(gpu.usable_memory_bytes - bd.device_total_bytes)} GiB headroom)</td></tr>")
     if plan.tokens_per_s:
         rows.append(f"<tr><th>speed</th><td>~{plan.tokens_per_s:,.0f} tokens/s, {plan.step_time_s or 0:.2f} s per step "
                     f"(global batch {plan.global_batch})</td></tr>")
     if bd.host_bytes:
         rows.append(f"<tr><th>host RAM</th><td>{_gib(bd.host_bytes)} GiB per GPU offloaded</td></tr>")
-    legend = "".join(f'<span><i class="sw" style="background:{s.html_color}"></i>{_e(s.name)} {_gib(s.bytes)} GiB</span>'
+    if plan.host_ram_bytes:
+        rows.append(f"<tr><th>host RAM checked</th><td>{_gib(plan.host_ram_bytes)} GiB per node "
+                    f"({_e(plan.host_ram_source or 'given')})</td></tr>")
+    legend = "".join(f'<span><i class="sw" style="background:{s.html_color}"></i>'
+                     f'{_e(s.name)} {_gib(s.bytes)} GiB</span>'
                      for s in memory_segments(bd))
     alt_rows = "".join(
-        f"<tr><td class='num'>{i}</td><td>{_e(a.quality)}</td><td>{_e(describe(a.setup))}</td><td class='num'>{_gib(a.device_total_bytes)}</td>"
+        f"<tr><td class='num'>{i}</td><td>{_e(a.quality)}</td><td>{_e(describe(a.setup))}</td>"
+        f"<td class='num'>{_gib(a.device_total_bytes)}</td>"
         f"<td class='num'>{(a.tokens_per_s or 0):,.0f}</td><td>{_e(a.note)}</td></tr>"
         for i, a in enumerate(plan.alternatives, start=1))
     rej_rows = "".join(f"<tr><td>{_e(r.reason)}</td></tr>" for r in plan.rejected)
@@ -264,7 +275,8 @@ def html_report(plan: Plan, title: str | None = None) -> str:
     if plan.fits:
         parts += ["<h2>Memory against speed</h2>", pareto_svg(plan)]
     if plan.alternatives:
-        parts.append("<h2>Alternatives (Pareto front)</h2><table><tr><th>#</th><th>quality</th><th>setup</th><th>GiB</th>"
+        parts.append("<h2>Alternatives (Pareto front)</h2><table><tr><th>#</th><th>quality</th><th>setup</th>"
+                     "<th>GiB</th>"
                      f"<th>tokens/s</th><th>vs chosen</th></tr>{alt_rows}</table>")
     if plan.rejected:
         parts.append(f"<h2>Why not</h2><table>{rej_rows}</table>")

@@ -82,8 +82,10 @@ def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:
     targeted, unmatched = lora_targets(model, setup)
     known = ", ".join(dict.fromkeys(l.name for l in model.linears))
     if not targeted:
-        raise SpecError(f"--lora-targets {setup.lora_targets!r} matches no Linear of {model.name}; its Linears: {known}")
-    warnings = [f"--lora-targets {t!r} matches no Linear of {model.name} (ignored); its Linears: {known}" for t in unmatched]
+        raise SpecError(f"--lora-targets {setup.lora_targets!r} matches no Linear of {model.name}; "
+                        f"its Linears: {known}")
+    warnings = [f"--lora-targets {t!r} matches no Linear of {model.name} (ignored); its Linears: {known}"
+                for t in unmatched]
     # Routers (e.g. Qwen2-MoE's 1-wide shared_expert_gate) are wrapped by "all-linear" whatever the
     # rank; peft accepts a rank above their width, so they do not bound it.
     bounded = [l for l in targeted if l.role != "router"]

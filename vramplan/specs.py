@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, final
 
+from .bands import CalibrationInfo, ErrorBands
 from .modelspec import (
     FamilyTraits,
     LinearSpec,
@@ -83,6 +84,10 @@ class GpuSpec:
     architecture: str = ""
     compute_capability: str | None = None
     aliases: tuple[str, ...] = ()
+    #: RAM of a typical host per GPU of this class (cloud instance shape or desktop build, named in
+    #: ``host_ram_note``): what CPU offload is checked against when the user gives no --host-ram
+    host_ram_per_gpu_bytes: int | None = None
+    host_ram_note: str = ""
 
     def __post_init__(self) -> None:
         if self.usable_memory_bytes <= 0:
@@ -201,7 +206,8 @@ class Setup:
         if self.method == "qlora":
             raise SpecError(f"qlora means a bitsandbytes 4-bit base; for {a} {name} base use --method lora --quant {q}")
         if self.quant_bits not in QUANT_BITS[q]:
-            raise SpecError(f"quant_bits must be one of {', '.join(map(str, QUANT_BITS[q]))} for {q}; got {self.quant_bits!r}")
+            raise SpecError(f"quant_bits must be one of {', '.join(map(str, QUANT_BITS[q]))} for {q}; "
+                            f"got {self.quant_bits!r}")
         if self.quant_group_size not in QUANT_GROUP_SIZES[q]:
             raise SpecError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES[q]))} for {q}; "
                             f"got {self.quant_group_size!r}")
@@ -279,7 +285,10 @@ class Breakdown:
     host_bytes: int = 0
     gpu: GpuSpec | None = None
     notes: tuple[str, ...] = ()
-    error_band: float | None = None  # relative, from calibration residuals
+    #: per headline number, from calibration residuals (the default band when uncalibrated);
+    #: None for a Breakdown no band was attached to (the traced tier, plan files read back)
+    error_band: ErrorBands | None = None
+    calibration: CalibrationInfo | None = None  # what calibration was applied (None: the raw model)
 
     @property
     def fits(self) -> bool | None:
@@ -319,7 +328,8 @@ class Breakdown:
             ],
             "setup": self.setup.to_dict(),
             "notes": list(self.notes),
-            "error_band": self.error_band,
+            "error_band": self.error_band.to_json() if self.error_band is not None else None,
+            "calibration": self.calibration.to_json() if self.calibration is not None else None,
         }
 
 
@@ -333,14 +343,20 @@ class Breakdown:
 #: ``tight`` fits only without the error band as margin; ``quality`` chosen over a faster plan;
 #: ``micro_batch`` the largest micro-batch; ``host_ram`` the host RAM offload needs;
 #: ``flash_attn`` needs flash-attn; ``duration`` the run's time; ``speed_model`` how speed is
-#: modelled; ``estimate`` a note of the estimate; ``text`` a note read back from a plan file.
+#: modelled; ``estimate`` a note of the estimate; ``text`` a note read back from a plan file;
+#: ``lower_tier_faster`` a plan of a lower quality tier is much faster (named, not chosen);
+#: ``offload`` the plan offloads because nothing resident fits; ``host_ram_source`` which host
+#: RAM the plan was checked against.
 NoteKind = Literal["no_fit", "gpu_only", "what_would_fit", "nothing_would_fit", "tight", "quality", "micro_batch",
-                   "host_ram", "flash_attn", "duration", "speed_model", "estimate", "text"]
+                   "host_ram", "flash_attn", "duration", "speed_model", "estimate", "text", "lower_tier_faster",
+                   "offload", "host_ram_source"]
 
-#: What a why-not line says: ``too_big`` a family of higher quality does not fit; ``too_slow`` it
-#: fits, but too slowly for its quality; ``faster_setting`` a faster setting of the chosen family
-#: (other savers, the next micro-batch) does not fit.
-RejectKind = Literal["too_big", "too_slow", "faster_setting"]
+#: What a why-not line says: ``too_big`` a family of a higher tier does not fit; ``needs_offload``
+#: it fits only with CPU/NVMe offload (or, on one GPU, a distributed engine) while a resident plan
+#: fits; ``tight`` it fits only inside the margins; ``faster_setting`` a faster setting of the
+#: chosen family (other savers, the next micro-batch) does not fit; ``too_slow``: plan files of
+#: earlier versions.
+RejectKind = Literal["too_big", "needs_offload", "tight", "faster_setting", "too_slow"]
 
 
 @final
@@ -368,9 +384,14 @@ class Rejected:
     reason: str
     device_total_bytes: int | None = None
     kind: RejectKind | None = field(default=None, compare=False)
+    #: the limit the reason compares ``device_total_bytes`` with (usable GPU memory), and the
+    #: misfit's kind ("gpu", "error_band", "headroom", "host_ram"; None: it fits the GPU)
+    limit_bytes: float | None = field(default=None, compare=False)
+    misfit: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict:
-        return {"setup": self.setup.to_dict(), "reason": self.reason, "device_total_bytes": self.device_total_bytes}
+        return {"setup": self.setup.to_dict(), "reason": self.reason, "device_total_bytes": self.device_total_bytes,
+                "kind": self.kind, "limit_bytes": self.limit_bytes, "misfit": self.misfit}
 
 
 @dataclass(frozen=True)
@@ -409,6 +430,10 @@ class Plan:
     rejected: tuple[Rejected, ...] = ()
     notes: tuple[Note, ...] = ()  # plain strings given are kept as Notes of kind "text"
     recorded_estimate: dict | None = None  # the estimate JSON stored in a loaded plan file
+    #: host RAM per node the plan was checked against, and where that number came from: given
+    #: (--host-ram), local (this machine), profile (the GPU profile's typical host), default
+    host_ram_bytes: int | None = None
+    host_ram_source: str | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

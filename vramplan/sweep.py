@@ -282,7 +282,8 @@ def run_sweep(spec: Matrix, runs: list[Run], budget_s: float, records_dir: str,
             started = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="vramplan-sweep-") as tmp:
                 model = m.scaled_model_path(run.model, dict(m.DEFAULT_SCALE), tmp) if run.scale_down else run.model
-                plan = Plan(model=model, setup=run.setup, breakdown=estimate(load_model(model), run.setup, gpu), gpu=gpu)
+                plan = Plan(model=model, setup=run.setup, breakdown=estimate(load_model(model), run.setup, gpu),
+                            gpu=gpu)
                 result = m.measure_plan(plan, options, model_ref=run.model,
                                         scale=dict(m.DEFAULT_SCALE) if run.scale_down else None)
             m.save(result, records_dir)

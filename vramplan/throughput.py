@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .specs import GpuSpec, ModelSpec, Setup
@@ -28,8 +28,9 @@ RECORDS_PATH = Path(__file__).resolve().parents[1] / "calibration" / "throughput
 #: measured throughputs closer than this (relative) do not make a pair
 PAIR_MIN_GAP = 0.05
 
-#: ``predictor(model, setup, gpu) -> (tokens/s per GPU, {term: seconds per optimizer step})``
-Predictor = Callable[[ModelSpec, Setup, GpuSpec], tuple[float, dict[str, float]]]
+#: ``predictor(model, setup, gpu, stack) -> (tokens/s per GPU, {term: seconds per optimizer step})``;
+#: ``stack`` is the record's library behaviour (:class:`vramplan.cost.Stack`, from its pinned versions)
+Predictor = Callable[..., tuple[float, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -99,29 +100,35 @@ def record_setup(record: dict) -> Setup:
     return Setup(**record["setup"])
 
 
-def cost_model_predictor(model: ModelSpec, setup: Setup, gpu: GpuSpec) -> tuple[float, dict[str, float]]:
-    """The shipped cost model: :func:`vramplan.cost.step_cost` on one node; tokens/s per GPU."""
-    from .cost import step_cost
+def record_stack(record: dict):
+    """The :class:`vramplan.cost.Stack` of the record's pinned library versions."""
+    from .cost import stack_of
 
-    c = step_cost(model, setup, gpu)
-    terms = {f.name.removesuffix("_s"): getattr(c, f.name) for f in fields(c) if f.name.endswith("_s")}
-    return c.tokens_per_s / setup.gpus, terms
+    return stack_of(record.get("software"))
 
 
-def _loaders():
+def record_gpu_model(record: dict) -> tuple[ModelSpec, GpuSpec]:
     from .profiles import load_gpu, load_model
 
-    return load_model, load_gpu
+    return load_model(record["model"]), load_gpu(record["gpu"])
+
+
+def cost_model_predictor(model: ModelSpec, setup: Setup, gpu: GpuSpec, stack=None) -> tuple[float, dict[str, float]]:
+    """The shipped cost model: :func:`vramplan.cost.step_cost` on one node; tokens/s per GPU."""
+    from .cost import STACK, step_cost
+
+    c = step_cost(model, setup, gpu, 1, None, stack or STACK)
+    return c.tokens_per_s / setup.gpus, c.terms()
 
 
 def compare(records: Iterable[dict], predictor: Predictor | None = None) -> list[ThroughputRow]:
     """A :class:`ThroughputRow` per comparable record, in record order."""
     predictor = predictor or cost_model_predictor
-    load_model, load_gpu = _loaders()
     out = []
     for r in comparable(records):
         setup = record_setup(r)
-        predicted, terms = predictor(load_model(r["model"]), setup, load_gpu(r["gpu"]))
+        model, gpu = record_gpu_model(r)
+        predicted, terms = predictor(model, setup, gpu, record_stack(r))
         out.append(ThroughputRow(id=r["id"], model=r["model"], gpu=r["gpu"], gpus=setup.gpus, setup=setup,
                                  measured_tokens_per_s=float(r["tokens_per_s_per_gpu"]),
                                  predicted_tokens_per_s=float(predicted), terms_s=dict(terms)))
@@ -136,7 +143,8 @@ def pairs(rows: Sequence[ThroughputRow], min_gap: float = PAIR_MIN_GAP) -> list[
         for b in rows[i + 1:]:
             if a.group != b.group:
                 continue
-            hi, lo = max(a.measured_tokens_per_s, b.measured_tokens_per_s), min(a.measured_tokens_per_s, b.measured_tokens_per_s)
+            hi = max(a.measured_tokens_per_s, b.measured_tokens_per_s)
+            lo = min(a.measured_tokens_per_s, b.measured_tokens_per_s)
             if hi > lo * (1.0 + min_gap):
                 out.append(Pair(a, b))
     return out

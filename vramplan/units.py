@@ -82,7 +82,8 @@ def awq_linear_bytes(in_features: int, out_features: int, bits: int, group_size:
     g = in_features if group_size == -1 else group_size
     groups = in_features // g
     packed_out = -(-out_features * bits // 32)
-    return 4 * in_features * packed_out + 4 * groups * packed_out + 2 * groups * out_features + (2 * out_features if bias else 0)
+    return (4 * in_features * packed_out + 4 * groups * packed_out + 2 * groups * out_features
+            + (2 * out_features if bias else 0))
 
 
 #: bitsandbytes keeps 32-bit optimizer states for tensors under this many elements

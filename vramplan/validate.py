@@ -99,12 +99,14 @@ def matrix(quick: bool = False) -> list[Case]:
                       + [long.replace(attn="eager", method="lora"), long.replace(attn="eager", checkpointing=True)]
                       + [long.replace(attn=a, pad_mask=True) for a in ("sdpa", "eager")]
                       + [long.replace(method="lora", pad_mask=True)]),
-        *_cpu_cases("attention", DENSE[:1], [Setup(seq=512, pad_mask=True), Setup(seq=512, attn="eager", pad_mask=True)]),
+        *_cpu_cases("attention", DENSE[:1], [Setup(seq=512, pad_mask=True),
+                                             Setup(seq=512, attn="eager", pad_mask=True)]),
         *_trace_cases("grad_accum", DENSE, [s.replace(grad_accum=4), s.replace(method="lora", grad_accum=4)]),
         *_trace_cases("checkpointing", DENSE, [s.replace(checkpointing=True, batch=2),
                                                s.replace(method="lora", checkpointing=True, batch=2)]),
         *_trace_cases("moe", MOE, [Setup(seq=256), Setup(method="lora", seq=256)], layers=2),
-        *_trace_cases("loss", DENSE, [s.replace(loss="chunked", batch=4), s.replace(method="lora", loss="chunked", batch=4)]),
+        *_trace_cases("loss", DENSE, [s.replace(loss="chunked", batch=4),
+                                      s.replace(method="lora", loss="chunked", batch=4)]),
         *_cpu_cases("loss", DENSE[:1], [short.replace(loss="chunked", seq=512, batch=4)]),
     ]
 
@@ -181,7 +183,8 @@ def measured_rows(records: str | os.PathLike = MEASUREMENTS) -> list[Row]:
     return rows
 
 
-def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (), records: str | os.PathLike = MEASUREMENTS) -> list[Row]:
+def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
+                    records: str | os.PathLike = MEASUREMENTS) -> list[Row]:
     """Rows of the knobs ``matrix`` does not cover (all, or those of ``knobs``): the distributed
     truths' (N real processes: ``vramplan.run.distributed.zero_rows`` for ZeRO,
     ``vramplan.run.fsdp.fsdp_rows`` for FSDP and DDP), the
@@ -212,7 +215,8 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (), records: s
                 rows += [r for r in fsdp.fsdp_rows(quick) if r.knob in wanted]
         for knob in sorted(wanted & {"zero", "fsdp"} - {r.knob for r in rows}):
             rows.append(_unverified(knob, Setup(zero_stage=2, gpus=2) if knob == "zero" else Setup(gpus=2),
-                                    f"no {knob} rows from the N-process truth (vramplan.run.distributed.zero_rows) yet"))
+                                    f"no {knob} rows from the N-process truth "
+                                    "(vramplan.run.distributed.zero_rows) yet"))
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "

@@ -20,8 +20,10 @@ def describe(setup: Setup) -> str:
         if setup.lora_targets != "all-linear":
             parts[0] += f" on {setup.lora_targets}"
     if setup.quant != "none":
-        parts.append(f"{setup.quant} base" + (" (double quant)" if setup.double_quant and setup.quant in ("nf4", "fp4") else "")
-                     + (f" ({setup.quant_bits}-bit, group {setup.quant_group_size})" if setup.quant in ("gptq", "awq") else ""))
+        parts.append(f"{setup.quant} base"
+                     + (" (double quant)" if setup.double_quant and setup.quant in ("nf4", "fp4") else "")
+                     + (f" ({setup.quant_bits}-bit, group {setup.quant_group_size})"
+                        if setup.quant in ("gptq", "awq") else ""))
     parts += [setup.precision, setup.optimizer, f"batch {setup.batch} x seq {setup.seq}"]
     if setup.grad_accum > 1:
         parts.append(f"grad accum {setup.grad_accum}")

@@ -37,11 +37,11 @@ MODEL_MAP = {
     "mistralai/Mistral-7B-v0.1": ("mistralai/Mistral-7B-v0.1",
                                   "profiles/models/mistralai--Mistral-7B-v0.1.json (the HF config.json: vocab 32000, "
                                   "sliding_window 4096, rope_theta 1e4; 7,241,732,096 parameters)"),
-    "NousResearch/Llama-2-70b-hf": ("meta-llama/Llama-2-70b-hf", "NousResearch's re-upload of meta-llama/Llama-2-70b-hf "
-                                    "(same config.json)"),
+    "NousResearch/Llama-2-70b-hf": ("meta-llama/Llama-2-70b-hf", "NousResearch's re-upload of "
+                                    "meta-llama/Llama-2-70b-hf (same config.json)"),
     "meta-llama/Llama-2-70b-hf": ("meta-llama/Llama-2-70b-hf", ""),
-    "mistralai/Mixtral-8x7B-Instruct-v0.1": ("mistralai/Mixtral-8x7B-v0.1", "the Instruct v0.1 config.json has the base "
-                                             "v0.1 architecture (vocab 32000, rope_theta 1e6)"),
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": ("mistralai/Mixtral-8x7B-v0.1", "the Instruct v0.1 config.json has "
+                                             "the base v0.1 architecture (vocab 32000, rope_theta 1e6)"),
     "meta-llama/Llama-2-7b-hf": ("meta-llama/Llama-2-7b-hf", ""),
     "meta-llama/Llama-2-13b-hf": ("meta-llama/Llama-2-13b-hf", ""),
     "meta-llama/Meta-Llama-3-8B": ("meta-llama/Meta-Llama-3-8B", ""),
@@ -57,7 +57,8 @@ MODEL_MAP = {
 #: models whose modelling code is remote code (trust_remote_code), not transformers'
 REMOTE_CODE = {
     "Qwen/Qwen-": "Qwen v1 remote code (QWenLMHeadModel, model_type qwen): its own attention/flash-attn path and a "
-                  "fused c_attn whose LoRA is one r x 3h adapter, not q/k/v (parameters map onto qwen2, the step does not)",
+                  "fused c_attn whose LoRA is one r x 3h adapter, not q/k/v (parameters map onto qwen2, the step "
+                  "does not)",
     "THUDM/chatglm3": "ChatGLM3 remote code (model_type chatglm)",
     "baichuan-inc/Baichuan2": "Baichuan2 remote code (fused W_pack; 13B uses ALiBi)",
 }
@@ -97,7 +98,8 @@ SOURCE_VERSIONS = {
 }
 DATE_VERSIONS = {  # (repo, marker in source.commit or None) -> versions implied by the table's date
     "modelscope/ms-swift": ({"transformers": "4.36"}, "inferred from date (2024-01-04)"),
-    "QwenLM/Qwen": ({"transformers": "4.32-4.35"}, "inferred from date (2023-11-30; Qwen requirements.txt transformers>=4.32)"),
+    "QwenLM/Qwen": ({"transformers": "4.32-4.35"},
+                    "inferred from date (2023-11-30; Qwen requirements.txt transformers>=4.32)"),
     "linkedin/Liger-Kernel": ({"transformers": "4.43-4.44"}, "inferred from date (Liger-Kernel 0.1, 2024-08)"),
 }
 VERSION_RE = re.compile(r"\b(PyTorch|torch|transformers|peft|accelerate|trl|flash[-_]attn|bitsandbytes|auto[-_]gptq|"
@@ -239,8 +241,8 @@ def normalise(row: dict) -> dict:
         if quant in ("nf4", "fp4"):
             precision = "bf16-mixed"  # a 4-bit base: prepare_model_for_kbit_training upcasts the rest to fp32 anyway
         elif method == "full" or quant == "none":
-            unexpressible.append("bf16-loaded weights under autocast (torch_dtype bf16 + --bf16): vramplan's bf16-mixed "
-                                 "loads fp32 weights")
+            unexpressible.append("bf16-loaded weights under autocast (torch_dtype bf16 + --bf16): vramplan's "
+                                 "bf16-mixed loads fp32 weights")
     elif "fp32 master" in prec_raw:
         precision = "bf16-mixed"
 
@@ -329,8 +331,9 @@ def normalise(row: dict) -> dict:
     # --- model-specific knobs
     if base_model.startswith("mistralai/Mixtral") and repo == "foundation-model-stack/fms-acceleration":
         if quant == "nf4":
-            unexpressible.append("transformers 4.48 Mixtral experts are per-expert nn.Linear, so bitsandbytes quantizes "
-                                 "them; vramplan models transformers 5's fused 3-D experts, which bitsandbytes skips")
+            unexpressible.append("transformers 4.48 Mixtral experts are per-expert nn.Linear, so bitsandbytes "
+                                 "quantizes them; vramplan models transformers 5's fused 3-D experts, which "
+                                 "bitsandbytes skips")
         else:
             approximations.append("transformers 4.48 per-expert nn.Linear MoE (vramplan models transformers 5's fused "
                                   "3-D experts: the same frozen bf16 bytes, its own routing temporaries)")
@@ -419,7 +422,8 @@ def normalise(row: dict) -> dict:
         "versions": _versions(row),
         "unexpressible": unexpressible,
         "approximations": approximations,
-        "notes": notes + ([row["notes"]] if row.get("notes") else []) + ([row["seq_len_note"]] if row.get("seq_len_note") else []),
+        "notes": notes + ([row["notes"]] if row.get("notes") else [])
+        + ([row["seq_len_note"]] if row.get("seq_len_note") else []),
         "comparable": comparable,
         "exclusion": None if comparable else reasons[0],
         "all_exclusions": [] if comparable else reasons,

@@ -28,20 +28,23 @@ FMS_SNAPSHOT = "876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097"
 #: per published CSV: the commit that last changed it, its pip freeze, and what its runs share
 FMS_TABLES = {
     "scripts/benchmarks/refs/a100_80gb.csv": {
-        "commit": "24bdadb228e2d55bc0c69deec034b86a73da6917", "requirements": "scripts/benchmarks/refs/requirements.txt",
-        "max_steps": 100, "seq": 4096, "packed": True},
+        "commit": "24bdadb228e2d55bc0c69deec034b86a73da6917",
+        "requirements": "scripts/benchmarks/refs/requirements.txt", "max_steps": 100, "seq": 4096, "packed": True},
     "scripts/benchmarks/refs/a100_80gb_granite.csv": {
         "commit": "fc78b55b65446fbade0306ac2e619a6182bfea47",
-        "requirements": "scripts/benchmarks/refs/requirements_granite.txt", "max_steps": 100, "seq": 4096, "packed": True},
+        "requirements": "scripts/benchmarks/refs/requirements_granite.txt",
+        "max_steps": 100, "seq": 4096, "packed": True},
     "scripts/benchmarks/refs/a100_80gb_liger.csv": {
         "commit": "733992ae7355567805de92eacf4a9973c8fd4164",
-        "requirements": "scripts/benchmarks/refs/requirements_liger.txt", "max_steps": 100, "seq": 4096, "packed": True},
+        "requirements": "scripts/benchmarks/refs/requirements_liger.txt",
+        "max_steps": 100, "seq": 4096, "packed": True},
     "scripts/benchmarks/refs/a100_80gb_moe.csv": {
         "commit": "9122a76e6ea3003e78102ef39f0a712683ff2cef",
         "requirements": "scripts/benchmarks/refs/requirements_moe.txt", "max_steps": None, "seq": 4096, "packed": True},
     "scripts/benchmarks/refs_orca/a100_80gb_pf.csv": {
         "commit": "3cf092a656c94bac36917f228868403e9e9955b9",
-        "requirements": "scripts/benchmarks/refs_orca/requirements_pf.txt", "max_steps": None, "seq": None, "packed": False},
+        "requirements": "scripts/benchmarks/refs_orca/requirements_pf.txt",
+        "max_steps": None, "seq": None, "packed": False},
 }
 FMS_PINNED = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "flash-attn", "flash_attn", "trl",
               "fms-hf-tuning")
@@ -201,7 +204,8 @@ def fms_records() -> list[dict]:
                 "published": {"value": tps, "unit": "train_tokens_per_second",
                               "meaning": "HF Trainer's train_tokens_per_second (include_tokens_per_second): tokens "
                                          "of one device's dataloader over train_runtime, i.e. per GPU",
-                              "train_runtime_s": runtime, "train_steps_per_second": _num(r.get("train_steps_per_second")),
+                              "train_runtime_s": runtime,
+                              "train_steps_per_second": _num(r.get("train_steps_per_second")),
                               "tokens_per_sequence_check": tokens_per_seq},
                 "tokens_per_s_per_gpu": tps,
                 "unexpressible": unexp,
@@ -222,7 +226,8 @@ def torchtune_records() -> list[dict]:
     out = []
     lines = path.read_text().splitlines()
     for n, line in enumerate(lines):
-        m = re.match(r"^\|\s*(Llama 3\.1 \w+)\s*\|\s*([^|]+?)\s*\|\s*(\d+)x (\w+)\s*\|\s*([^|]+?)\s*\|\s*(\d+)\s*\|$", line)
+        m = re.match(r"^\|\s*(Llama 3\.1 \w+)\s*\|\s*([^|]+?)\s*\|\s*(\d+)x (\w+)\s*\|"
+                     r"\s*([^|]+?)\s*\|\s*(\d+)\s*\|$", line)
         if not m:
             continue
         model, method, count, gpu, peak, tps = m.groups()
@@ -230,14 +235,15 @@ def torchtune_records() -> list[dict]:
         readme_line = n - 2  # the excerpt's 3-line header comment; README.md line numbers are not kept
         out.append({
             "id": f"torchtune-readme-speed-{len(out)}",
-            "source": {"repo": TORCHTUNE_REPO, "path": "README.md", "commit": TORCHTUNE_COMMIT, "snapshot": TORCHTUNE_COMMIT,
-                       "line": None, "row": len(out), "excerpt_line": readme_line,
+            "source": {"repo": TORCHTUNE_REPO, "path": "README.md", "commit": TORCHTUNE_COMMIT,
+                       "snapshot": TORCHTUNE_COMMIT, "line": None, "row": len(out), "excerpt_line": readme_line,
                        "url": f"https://github.com/{TORCHTUNE_REPO}/blob/{TORCHTUNE_COMMIT}/README.md#memory-and-training-speed"},
             "framework": "torchtune recipes (torchtune's own model code), torch.compile",
             "software": {},
             "published_model": f"meta-llama/{model.replace(' ', '-')}-Instruct (README: {model})",
             "model": TORCHTUNE_MODELS[model],
-            "model_note": "the Instruct model; same architecture as the shipped base" if TORCHTUNE_MODELS[model] else None,
+            "model_note": ("the Instruct model; same architecture as the shipped base"
+                           if TORCHTUNE_MODELS[model] else None),
             "gpu": TORCHTUNE_GPUS[gpu],
             "gpu_note": "A100: 80GB assumed" if gpu == "A100" else None,
             "gpu_count": count,

@@ -50,6 +50,7 @@ from .output import (
     markdown_summary,
     result_to_json,
     run_to_json,
+    update_summary,
 )
 from .runner import TIERS, CheckRun, measure, run_checks, updated_records
 
@@ -80,6 +81,7 @@ __all__ = [
     "run_checks",
     "run_to_json",
     "signed_gib",
+    "update_summary",
     "updated_records",
     "version_drift",
     "write_baseline",

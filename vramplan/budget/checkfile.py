@@ -158,7 +158,8 @@ def load_specs(paths: Iterable[str | os.PathLike]) -> tuple[CheckSpec, ...]:
             continue
         unknown = sorted(set(data) - {"checks", "defaults"}, key=str)
         if unknown:
-            raise SpecError(f"{path}: unknown top-level key {unknown[0]!r}; a checks file has 'checks' (and 'defaults')")
+            raise SpecError(f"{path}: unknown top-level key {unknown[0]!r}; "
+                            "a checks file has 'checks' (and 'defaults')")
         checks, defaults = data.get("checks"), data.get("defaults") or {}
         if not isinstance(checks, list) or not checks:
             raise SpecError(f"{path}: 'checks' must be a non-empty list of checks")
@@ -166,11 +167,13 @@ def load_specs(paths: Iterable[str | os.PathLike]) -> tuple[CheckSpec, ...]:
             raise SpecError(f"{path}: 'defaults' must be a mapping")
         bad = sorted(set(defaults) - (set(CHECK_KEYS) - {"name", "model"}), key=str)
         if bad:
-            raise SpecError(f"{path}: defaults: unknown key {bad[0]!r}; defaults may set gpu, gpu_memory, setup, must_fit, tolerance")
+            raise SpecError(f"{path}: defaults: unknown key {bad[0]!r}; "
+                            "defaults may set gpu, gpu_memory, setup, must_fit, tolerance")
         specs += [_check_from_entry(e, defaults, path, i, lines.get(i)) for i, e in enumerate(checks)]
     seen: dict[str, str] = {}
     for s in specs:
         if s.name in seen:
-            raise SpecError(f"check name {s.name!r} is used twice ({seen[s.name]} and {s.source}); names key the baseline")
+            raise SpecError(f"check name {s.name!r} is used twice ({seen[s.name]} and {s.source}); "
+                            "names key the baseline")
         seen[s.name] = s.source
     return tuple(specs)

@@ -138,9 +138,11 @@ def compare(spec: CheckSpec, bd: Breakdown, baseline: Record | None, tolerance: 
         shrunk = [d for d in numbers if d.relative is not None and d.relative < -tol]
         if grown:
             worst = _reported(grown)
-            cause = f"; largest component change: {components[0].name} {signed_gib(components[0].delta_bytes)}" if components else ""
+            cause = (f"; largest component change: {components[0].name} {signed_gib(components[0].delta_bytes)}"
+                     if components else "")
             reasons.append(f"grew {worst.relative:.1%} beyond the {tol:.1%} tolerance "
-                           f"({worst.name} {fmt_bytes(worst.baseline_bytes)} -> {fmt_bytes(worst.current_bytes)}){cause}")
+                           f"({worst.name} {fmt_bytes(worst.baseline_bytes)} -> {fmt_bytes(worst.current_bytes)})"
+                           f"{cause}")
         elif shrunk:
             shrank, worst = True, _reported(shrunk)
             notes.append(f"shrank {-worst.relative:.1%} beyond the {tol:.1%} tolerance "

@@ -88,8 +88,17 @@ def github_annotations(run: CheckRun, *, updated: bool = False) -> list[str]:
         elif r.status in ("shrank", "new"):
             lines.append(f"::warning {','.join(props)}::{_escape_data(f'{r.spec.name}: ' + '; '.join(r.notes))}")
     for line in run.drift:
-        lines.append(f"::warning title=vramplan baseline versions::{_escape_data('baseline recorded under other versions: ' + line)}")
+        lines.append("::warning title=vramplan baseline versions::"
+                     f"{_escape_data('baseline recorded under other versions: ' + line)}")
     return lines
+
+
+def _md(text: object) -> str:
+    """A value for one Markdown table cell or list line: one line, pipes and HTML escaped (a
+    check name is user text; the step summary renders HTML)."""
+    import html
+
+    return html.escape(" ".join(str(text).split()), quote=False).replace("|", "\\|").replace("`", "\\`")
 
 
 _ICON = {"over-budget": "❌ over budget", "grew": "❌ grew", "shrank": "⚠️ shrank", "new": "🆕 new", "ok": "✅ ok"}
@@ -100,7 +109,7 @@ def markdown_summary(run: CheckRun, *, updated: bool = False) -> str:
     failures = run.failures(accept_growth=updated)
     head = (f"{len(failures)} of {len(run.results)} checks failed" if failures
             else f"all {len(run.results)} checks passed")
-    where = f"`{run.baseline_path}`{'' if run.baseline_found else ' (not found)'}{' (updated)' if updated else ''}"
+    where = f"`{_md(run.baseline_path)}`{'' if run.baseline_found else ' (not found)'}{' (updated)' if updated else ''}"
     out = [f"### vramplan check: {head}", "", f"{run.tier} tier · tolerance {run.tolerance:.1%} · baseline {where}", "",
            "| check | model | GPU | device total | usable | vs baseline | status |",
            "|---|---|---|---:|---:|---:|---|"]
@@ -109,23 +118,33 @@ def markdown_summary(run: CheckRun, *, updated: bool = False) -> str:
         usable = fmt_bytes(r.spec.gpu.usable_memory_bytes) if r.spec.gpu else "-"
         dt = r.device_total
         vs = f"{dt.relative:+.1%}" if dt is not None and dt.relative is not None else "-"
-        out.append(f"| {r.spec.name} | {bd.model} | {r.spec.gpu.name if r.spec.gpu else '-'} | "
+        out.append(f"| {_md(r.spec.name)} | {_md(bd.model)} | {_md(r.spec.gpu.name) if r.spec.gpu else '-'} | "
                    f"{fmt_bytes(bd.device_total_bytes)} | {usable} | {vs} | {_ICON[r.status]} |")
     for r in run.results:
         if not (r.reasons or r.notes or r.components):
             continue
-        out += ["", f"<details><summary>{r.spec.name}: {_ICON[r.status]}</summary>", ""]
-        out += [f"- {line}" for line in (*r.reasons, *r.notes, *r.warnings)]
+        out += ["", f"<details><summary>{_md(r.spec.name)}: {_ICON[r.status]}</summary>", ""]
+        out += [f"- {_md(line)}" for line in (*r.reasons, *r.notes, *r.warnings)]
         if r.components:
             out += ["", "| component | baseline | now | change |", "|---|---:|---:|---:|"]
-            out += [f"| {d.name} | {fmt_bytes(d.baseline_bytes)} | {fmt_bytes(d.current_bytes)} | {signed_gib(d.delta_bytes)} |"
+            out += [f"| {_md(d.name)} | {fmt_bytes(d.baseline_bytes)} | {fmt_bytes(d.current_bytes)} "
+                    f"| {signed_gib(d.delta_bytes)} |"
                     for d in r.components]
         out += ["", "</details>"]
     if run.drift:
-        out += ["", "**Baseline recorded under other versions:** " + "; ".join(run.drift)]
+        out += ["", "**Baseline recorded under other versions:** " + _md("; ".join(run.drift))]
     if run.stale:
-        out += ["", "Baseline entries no check refers to: " + ", ".join(f"`{n}`" for n in run.stale)]
+        out += ["", "Baseline entries no check refers to: " + ", ".join(f"`{_md(n)}`" for n in run.stale)]
     return "\n".join(out) + "\n"
+
+
+def update_summary(run: CheckRun) -> str:
+    """What ``check --update`` recorded: how many checks, and how many of them are new, changed
+    (a headline number or a component moved) and unchanged."""
+    new = sum(1 for r in run.results if r.baseline is None)
+    changed = sum(1 for r in run.results if r.baseline is not None
+                  and (r.baseline.numbers != r.record.numbers or r.baseline.components != r.record.components))
+    return f"{len(run.results)} recorded: {new} new, {changed} changed, {len(run.results) - new - changed} unchanged"
 
 
 def breakdown_diff_lines(old: dict[str, int], new: dict[str, int], old_label: str = "baseline") -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +14,12 @@ from .compare import DEFAULT_TOLERANCE, STATUSES, CheckResult, compare
 TIERS = ("analytic", "trace")
 
 
-def measure(spec: CheckSpec, tier: str = "analytic") -> tuple[Breakdown, tuple[str, ...]]:
+def measure(spec: CheckSpec, tier: str = "analytic",
+            corrections: Callable[[Any], Any] | None = None) -> tuple[Breakdown, tuple[str, ...]]:
     """The check's Breakdown on the analytic tier (no torch) or the traced tier (imports torch),
-    and the setup-vs-model warnings. Errors name the check."""
+    and the setup-vs-model warnings. ``corrections(gpu)``: the device terms of the analytic tier
+    (the command passes the calibrated ones; None: the published defaults). The traced tier adds
+    the published device terms (its own). Errors name the check."""
     from ..estimator import estimate
     from ..profiles import load_model
     from ..setup_checks import check
@@ -30,7 +33,9 @@ def measure(spec: CheckSpec, tier: str = "analytic") -> tuple[Breakdown, tuple[s
             from ..run.tracer import trace
 
             return trace(model, spec.setup, gpu=spec.gpu), warnings
-        return estimate(model, spec.setup, spec.gpu), warnings
+        if corrections is None:
+            return estimate(model, spec.setup, spec.gpu), warnings
+        return estimate(model, spec.setup, spec.gpu, corrections(spec.gpu)), warnings
     except SpecError as exc:
         raise SpecError(f"{spec.source}: check {spec.name!r}: {exc}") from None
 
@@ -69,13 +74,14 @@ class CheckRun:
 
 def run_checks(specs: Iterable[CheckSpec], baseline: dict[str, Record] | None, *, tier: str = "analytic",
                tolerance: float = DEFAULT_TOLERANCE, baseline_path: str | None = None,
-               require_baseline: bool = False) -> CheckRun:
-    """Measure and judge every check against ``baseline`` (None: no baseline file)."""
+               require_baseline: bool = False, corrections: Callable[[Any], Any] | None = None) -> CheckRun:
+    """Measure and judge every check against ``baseline`` (None: no baseline file); ``corrections``
+    as :func:`measure` takes it."""
     versions = current_versions()
     specs = tuple(specs)
     results = []
     for spec in specs:
-        bd, warnings = measure(spec, tier)
+        bd, warnings = measure(spec, tier, corrections)
         results.append(compare(spec, bd, (baseline or {}).get(spec.name), tolerance, versions, warnings))
     names = {s.name for s in specs}
     stale = tuple(sorted(n for n in (baseline or {}) if n not in names))

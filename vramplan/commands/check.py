@@ -13,14 +13,15 @@ from pathlib import Path
 import click
 
 from ..units import gib
-from .options import print_json, quiet_libraries, user_errors, warn
+from .options import calibration_options, corrections_for, print_json, quiet_libraries, user_errors, warn
 
 
 @click.command()
 @click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
 @click.option("--baseline", "baseline_path", default="vram-baseline.json", show_default=True, metavar="PATH",
               help="Recorded numbers to compare with (JSON; written by --update).")
-@click.option("--update", is_flag=True, help="Record this run's numbers in the baseline (atomically) and print the diff.")
+@click.option("--update", is_flag=True,
+              help="Record this run's numbers in the baseline (atomically) and print the diff.")
 @click.option("--tolerance", default="2%", show_default=True, metavar="PCT",
               help="Growth of a headline number beyond this fails the check (a check's own tolerance wins).")
 @click.option("--tier", type=click.Choice(["analytic", "trace"]), default="analytic", show_default=True,
@@ -31,9 +32,11 @@ from .options import print_json, quiet_libraries, user_errors, warn
 @click.option("--require-baseline", is_flag=True, help="Fail checks that have no baseline entry.")
 @click.option("--summary", "summary_path", envvar="GITHUB_STEP_SUMMARY", metavar="PATH", show_envvar=True,
               help="With --format github: append the Markdown summary to PATH instead of printing it.")
+@calibration_options
 @user_errors
 def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: str, tier: str, fmt: str,
-          as_json: bool, require_baseline: bool, summary_path: str | None) -> None:
+          as_json: bool, require_baseline: bool, summary_path: str | None, no_calibration: bool,
+          calibration_file: str | None) -> None:
     """Check memory of the training setups in SPEC files against GPU budgets and a baseline.
 
     SPEC is a checks file (YAML or JSON: `checks: [{name, model, gpu, setup, must_fit, tolerance}]`)
@@ -55,8 +58,16 @@ def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: s
     baseline = read_baseline(baseline_path)
     if tier == "trace":
         quiet_libraries()
+    applied: dict = {}  # GPU -> Corrections: the loader's warnings print once
+
+    def corrections(gpu):
+        key = gpu.name if gpu is not None else None
+        if key not in applied:
+            applied[key] = corrections_for(gpu, no_calibration, calibration_file)
+        return applied[key]
+
     run = run_checks(checks, baseline, tier=tier, tolerance=tol, baseline_path=baseline_path,
-                     require_baseline=require_baseline)
+                     require_baseline=require_baseline, corrections=corrections)
     if baseline is None and not update:
         warn(f"no baseline at {baseline_path}: every check is new (vramplan check --update records one)")
     for r in run.results:
@@ -103,8 +114,10 @@ _STYLE = {"over-budget": "bold red", "grew": "bold red", "shrank": "yellow", "ne
 
 def _print_table(run, updated: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    from ..budget import update_summary
     from ..budget.compare import NO_BASELINE_NOTE
 
     console = Console(highlight=False)
@@ -116,21 +129,21 @@ def _print_table(run, updated: bool) -> None:
         bd = r.breakdown
         dt = r.device_total
         table.add_row(
-            r.spec.name, r.spec.gpu.name if r.spec.gpu else "-", gib(bd.device_total_bytes),
+            escape(r.spec.name), escape(r.spec.gpu.name) if r.spec.gpu else "-", gib(bd.device_total_bytes),
             gib(r.spec.gpu.usable_memory_bytes) if r.spec.gpu else "-",
             f"{dt.relative:+.1%}" if dt is not None and dt.relative is not None else "-",
             f"[{_STYLE[r.status]}]{r.status}{' (recorded)' if updated and r.status == 'grew' else ''}[/]",
         )
     console.print(f"[bold]vramplan check[/] · {run.tier} tier · tolerance {run.tolerance:.1%} · "
-                  f"baseline {run.baseline_path}{'' if run.baseline_found else ' (none yet)'}")
+                  f"baseline {escape(run.baseline_path)}{'' if run.baseline_found else ' (none yet)'}")
     console.print(table)
     for r in run.results:
         if not (r.reasons or r.components or any(n != NO_BASELINE_NOTE for n in r.notes)):
             continue
-        console.print(f"\n[{_STYLE[r.status]}]{r.spec.name}[/]: {r.status}"
+        console.print(f"\n[{_STYLE[r.status]}]{escape(r.spec.name)}[/]: {r.status}"
                       f"{' (recorded by --update)' if updated and r.status == 'grew' else ''}")
         for line in (*r.reasons, *r.notes):
-            console.print(f"  {line}")
+            console.print(f"  {escape(line)}")
         if r.numbers or r.components:
             diff = Table(show_edge=False, pad_edge=False, box=None)
             for col in ("", "baseline GiB", "now GiB", "change GiB", "change"):
@@ -138,25 +151,18 @@ def _print_table(run, updated: bool) -> None:
             moved = [d for d in r.numbers if d.delta_bytes] + list(r.components)
             for d in moved:
                 rel = f"{d.relative:+.1%}" if d.relative is not None else "new"
-                diff.add_row(d.name, gib(d.baseline_bytes), gib(d.current_bytes),
+                diff.add_row(escape(d.name), gib(d.baseline_bytes), gib(d.current_bytes),
                              f"{'+' if d.delta_bytes >= 0 else '-'}{gib(abs(d.delta_bytes))}", rel)
             if moved:
                 console.print(diff)
     if run.drift:
-        console.print("\n[yellow]baseline recorded under other versions:[/] " + "; ".join(run.drift))
+        console.print("\n[yellow]baseline recorded under other versions:[/] " + escape("; ".join(run.drift)))
     if run.stale:
-        console.print(f"[dim]baseline entries no check refers to: {', '.join(run.stale)}[/]")
+        console.print(f"[dim]baseline entries no check refers to: {escape(', '.join(run.stale))}[/]")
     failures = run.failures(accept_growth=updated)
     counts = ", ".join(f"{n} {s}" for s, n in run.counts().items() if n)
     verdict = f"[bold red]{len(failures)} failed[/]" if failures else "[bold green]passed[/]"
     console.print(f"\n{len(run.results)} checks: {counts} · {verdict}")
     if updated:
-        console.print(f"baseline updated: {run.baseline_path} ({_update_summary(run)})")
-
-
-def _update_summary(run) -> str:
-    new = sum(1 for r in run.results if r.baseline is None)
-    changed = sum(1 for r in run.results if r.baseline is not None
-                  and (r.baseline.numbers != r.record.numbers or r.baseline.components != r.record.components))
-    return f"{len(run.results)} recorded: {new} new, {changed} changed, {len(run.results) - new - changed} unchanged"
+        console.print(f"baseline updated: {escape(run.baseline_path)} ({escape(update_summary(run))})")
 

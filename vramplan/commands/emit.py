@@ -6,6 +6,8 @@ the directory through :func:`vramplan.emit.emit_to_dir` and prints what it wrote
 
 from __future__ import annotations
 
+import shlex
+
 import click
 
 from .options import user_errors
@@ -32,4 +34,4 @@ def emit(plan_file: str, formats: str | None, out_dir: str, force: bool) -> None
     paths = emit_to_dir(plan, out_dir, parse_formats(formats) if formats is not None else None, force=force)
     for path in paths:
         click.echo(str(path))
-    click.echo(f"run: cd {out_dir} && {launch_command(plan)}", err=True)
+    click.echo(f"run: cd {shlex.quote(out_dir)} && {launch_command(plan)}", err=True)

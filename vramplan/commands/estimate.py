@@ -7,26 +7,40 @@ from __future__ import annotations
 
 import click
 
-from ..specs import Setup
+from ..specs import Setup, SpecError
 from ..units import gib
 from ..wording import describe, params
-from .options import gpu_options, print_json, setup_options, user_errors, warn
+from .from_config import config_options, is_config_file, setup_from_config
+from .options import calibration_options, corrections_for, gpu_options, print_json, setup_options, user_errors, warn
 
 
 @click.command()
 @click.argument("model")
 @setup_options
 @gpu_options
+@calibration_options
+@config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the Breakdown as one JSON object.")
 @user_errors
-def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | None, as_json: bool) -> None:
-    """Analytic memory estimate of one training step of MODEL (no torch, milliseconds)."""
+def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | None, no_calibration: bool,
+             calibration_file: str | None, config_format: str | None, model_override: str | None,
+             accelerate_file: str | None, as_json: bool) -> None:
+    """Analytic memory estimate of one training step of MODEL (no torch, milliseconds).
+
+    The device terms are the committed calibration (docs/commands/estimate.md); --no-calibration
+    shows the raw model. MODEL may be a training config (axolotl, LLaMA-Factory, TRL, torchtune,
+    HF TrainingArguments, accelerate, DeepSpeed: docs/formats/); setup flags given override it."""
     from ..estimator import estimate as run_estimate
     from ..inputs import resolve_gpu
     from ..profiles import load_model
 
+    if is_config_file(model, config_format):
+        model, setup = setup_from_config(model, config_format, model_override, setup, accelerate_file)
+    elif model_override or accelerate_file:
+        raise SpecError("--model and --accelerate-config go with a training config (MODEL is not one)")
     gpu = resolve_gpu(gpu_name, gpu_memory)
-    bd = run_estimate(load_model(model), setup, gpu)  # checks the setup against the model and GPU
+    corrections = corrections_for(gpu, no_calibration, calibration_file)
+    bd = run_estimate(load_model(model), setup, gpu, corrections)  # checks the setup against the model and GPU
     for note in bd.notes:  # the analytic tier's notes are the check's warnings
         warn(note)
     print_json(bd.to_json()) if as_json else print_breakdown(bd)
@@ -38,10 +52,11 @@ _SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 def print_breakdown(bd) -> None:
     """The human-readable report of one Breakdown: components, peak phase, headline numbers, fit."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(highlight=False)
-    console.print(f"[bold]{bd.model}[/] · {bd.tier}")
+    console.print(f"[bold]{escape(bd.model)}[/] · {bd.tier}")
     console.print(describe(bd.setup))
     console.print(f"params: {params(bd.params_total)} total, {params(bd.params_trainable)} trainable")
 
@@ -52,10 +67,11 @@ def print_breakdown(bd) -> None:
     table.add_column("note", overflow="fold")
     for c in bd.components:
         name = c.name if c.where == "gpu" else f"{c.name} ({c.where})"
-        phases = "all" if set(c.phases) >= {"forward", "backward", "optimizer"} else " ".join(_SHORT_PHASE.get(p, p) for p in c.phases)
+        phases = ("all" if set(c.phases) >= {"forward", "backward", "optimizer"}
+                  else " ".join(_SHORT_PHASE.get(p, p) for p in c.phases))
         # terms not live in the peak phase are dimmed: they do not add to the peak
         style = None if bd.phase in c.phases or c.where != "gpu" else "dim"
-        table.add_row(name, gib(c.bytes), phases, c.note, style=style)
+        table.add_row(escape(name), gib(c.bytes), phases, escape(c.note), style=style)
     console.print(table)
 
     peaks = " · ".join(f"{ph} {gib(b)}" for ph, b in bd.phase_peaks_bytes.items())
@@ -63,24 +79,48 @@ def print_breakdown(bd) -> None:
     head = Table(show_header=False, show_edge=False, pad_edge=False, box=None)
     head.add_column()
     head.add_column(justify="right")
+    head.add_column(justify="right")
     head.add_column(style="dim")
-    head.add_row("tensor peak", f"{gib(bd.tensor_peak_bytes)} GiB", "live tensors at the peak")
-    head.add_row("peak allocated", f"{gib(bd.peak_allocated_bytes)} GiB", "torch.cuda.max_memory_allocated")
-    head.add_row("peak reserved", f"{gib(bd.peak_reserved_bytes)} GiB", "torch.cuda.max_memory_reserved")
-    head.add_row("device total", f"{gib(bd.device_total_bytes)} GiB", "nvidia-smi; judged for fit")
+    for label, key, what in (("tensor peak", "tensor_peak_bytes", "live tensors at the peak"),
+                             ("peak allocated", "peak_allocated_bytes", "torch.cuda.max_memory_allocated"),
+                             ("peak reserved", "peak_reserved_bytes", "torch.cuda.max_memory_reserved"),
+                             ("device total", "device_total_bytes", "nvidia-smi; judged for fit")):
+        head.add_row(label, f"{gib(getattr(bd, key))} GiB", band_text(bd, key), what)
     if bd.host_bytes:
-        head.add_row("host RAM", f"{gib(bd.host_bytes)} GiB", "offloaded state")
+        head.add_row("host RAM", f"{gib(bd.host_bytes)} GiB", "", "offloaded state")
     console.print(head)
-    if bd.error_band is not None:
-        console.print(f"error band: ±{bd.error_band:.0%}")
+    console.print(f"[dim]{calibration_line(bd)}[/]")
     for note in bd.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")
 
     if bd.gpu is None:
         console.print("no GPU given: pass --gpu NAME or --gpu-memory 24GiB to check the fit")
     elif bd.fits:
-        console.print(f"[bold green]fits[/] on {bd.gpu.display_name} ({gib(bd.gpu.usable_memory_bytes)} GiB usable): "
+        console.print(f"[bold green]fits[/] on {escape(bd.gpu.display_name)} "
+                      f"({gib(bd.gpu.usable_memory_bytes)} GiB usable): "
                       f"{gib(bd.headroom_bytes)} GiB headroom")
     else:
-        console.print(f"[bold red]does not fit[/] on {bd.gpu.display_name} ({gib(bd.gpu.usable_memory_bytes)} GiB usable): "
+        console.print(f"[bold red]does not fit[/] on {escape(bd.gpu.display_name)} "
+                      f"({gib(bd.gpu.usable_memory_bytes)} GiB usable): "
                       f"{gib(-bd.headroom_bytes)} GiB short")
+
+
+def band_text(bd, key: str) -> str:
+    """``band 7.1-8.3`` (GiB): the error band of one headline number ("" when none is attached)."""
+    band = getattr(bd.error_band, key, None) if bd.error_band is not None else None
+    if band is None:
+        return ""
+    lo, hi = band.bounds(getattr(bd, key))
+    return f"band {gib(lo)}-{gib(hi)}"
+
+
+def calibration_line(bd) -> str:
+    """One line: which calibration the numbers carry, or that they are the raw model."""
+    c = bd.calibration
+    dev = bd.error_band.device_total_bytes if bd.error_band is not None else None
+    band = f"; device total band {dev.low:+.0%}/{dev.high:+.0%} ({dev.basis})" if dev is not None else ""
+    if c is None:
+        return f"calibration: none (published device terms, the raw model){band}"
+    where = "" if c.gpu_class_match else ", not fitted on this GPU's class"
+    return (f"calibration: {c.group} ({c.source}{where}): fitted {', '.join(c.fitted) or 'nothing'} "
+            f"on {c.fitted_on}; quoted {', '.join(c.quoted) or 'nothing'}{band}")

@@ -96,7 +96,7 @@ def print_measurement(m) -> None:
     where = m.provenance.get("gpu_name") or m.device
     if m.emulate_gpu:
         where += f" emulating {m.emulate_gpu}"
-    console.print(f"[bold]{m.model}[/]  {describe(m.setup)}  on {where}")
+    console.print(f"[bold]{escape(m.model)}[/]  {escape(describe(m.setup))}  on {escape(str(where))}")
     meas = m.measured
     if meas.get("failed"):
         where = f" (in {meas['phase']}, step {meas.get('step')})" if meas.get("phase") else ""
@@ -111,7 +111,8 @@ def print_measurement(m) -> None:
         table.add_row(key, _gib(row["estimate"]), _gib(row["measured"]), f"{row['error']:+.1%}")
     console.print(table)
     if m.device == "cpu" and cpu_comparable(m.setup):
-        console.print(f"tensor_peak_bytes {_gib(meas.get('tensor_peak_bytes'))} not compared: {cpu_comparable(m.setup)}")
+        console.print(f"tensor_peak_bytes {_gib(meas.get('tensor_peak_bytes'))} not compared: "
+                      f"{cpu_comparable(m.setup)}")
     extras = [(k, meas.get(k)) for k in ("active_peak_bytes", "cuda_context_bytes", "peak_rss_bytes")]
     console.print("  ".join(f"{k} {_gib(v)}" for k, v in extras if v is not None))
     if meas.get("tokens_per_s"):
@@ -131,7 +132,8 @@ def print_measurement(m) -> None:
               help="CPU emulation of a card: live tensor bytes past SIZE are an out-of-memory (e.g. 20MiB).")
 @click.option("--scale-down", is_flag=True,
               help="Scale the model down (2 layers, hidden 256, vocab 4096) for a quick CPU run.")
-@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Seconds before the run is killed.")
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
+              help="Seconds before the run is killed.")
 @click.option("--record/--no-record", default=True, show_default=True, help="Append the record to --records.")
 @click.option("--records", "records_dir", default="calibration/measurements", show_default=True,
               type=click.Path(file_okay=False), help="Directory of the .jsonl records.")
@@ -149,7 +151,6 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
     a timeout is recorded and exits 1.
     """
     import dataclasses
-    import tempfile
 
     from .. import measure as m
     from ..estimator import estimate
@@ -177,7 +178,9 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
     m.check_measurable(plan.setup if plan is not None else setup)
     _require_run_extra([plan.setup if plan is not None else setup])
     scale = dict(m.DEFAULT_SCALE) if scale_down else None
-    with tempfile.TemporaryDirectory(prefix="vramplan-scaled-") as tmp:
+    from ..fileio import TempDir
+
+    with TempDir("scaled") as tmp:
         if scale:
             scaled = m.scaled_model_path(model_ref, scale, tmp)
             base = plan or Plan(model=scaled, setup=setup, breakdown=estimate(load_model(scaled), setup, gpu), gpu=gpu)
@@ -205,9 +208,11 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
               type=click.Path(file_okay=False), help="Directory of the .jsonl records (read to skip, appended to).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
               help="Override the matrix's device.")
-@click.option("--dry-run", is_flag=True, help="List the runs in order, with their predicted seconds, without running them.")
+@click.option("--dry-run", is_flag=True,
+              help="List the runs in order, with their predicted seconds, without running them.")
 @click.option("--skip-unavailable", is_flag=True,
-              help="Leave out the runs whose libraries (bitsandbytes, deepspeed, ...) are not installed, instead of stopping.")
+              help="Leave out the runs whose libraries (bitsandbytes, deepspeed, ...) are not installed, "
+                   "instead of stopping.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the runs.")
 @user_errors
 def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_run: bool, skip_unavailable: bool,
@@ -271,16 +276,33 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
               type=click.Path(dir_okay=False), help="Where the fitted coefficients are written.")
 @click.option("--tolerance", type=float, default=0.03, show_default=True,
               help="Flag a component whose correction factor strays from 1 by more than this.")
+@click.option("--published/--no-published", "use_published", default=True, show_default=True,
+              help="Fit the published real-GPU rows too (calibration/published/records.jsonl).")
+@click.option("--ship/--no-ship", default=None,
+              help="Also write the shipped copy, profiles/coefficients.json  [default: in a source checkout, "
+                   "when --out is the default]")
 @click.option("--json", "as_json", is_flag=True, help="Print the coefficients as JSON.")
 @user_errors
-def calibrate(records_dir: str, out_path: str, tolerance: float, as_json: bool) -> None:
-    """Fit the device corrections (CUDA context, workspace, allocator slack) from measurements."""
+def calibrate(records_dir: str, out_path: str, tolerance: float, use_published: bool, ship: bool | None,
+              as_json: bool) -> None:
+    """Fit the device corrections (CUDA context, workspace, allocator slack) from measurements
+    and published real-GPU rows; estimate, plan and check apply them."""
+    from pathlib import Path
+
     from .. import calibrate as cal
     from ..measure import read_records
+    from ..published import RECORDS, load_records
 
     records = read_records(records_dir)
-    result = cal.fit(records, tolerance=tolerance)
+    published = load_records(RECORDS) if use_published and RECORDS.is_file() else []
+    result = cal.fit(records, tolerance=tolerance, published=published)
     path = cal.write(result, out_path)
+    shipped = Path("profiles") / "coefficients.json"
+    checkout = (Path("profiles") / "gpus.json").is_file()
+    if ship or (ship is None and Path(out_path) == cal.COEFFICIENTS_PATH and checkout):
+        cal.write(result, shipped)
+        if not as_json:
+            click.echo(f"shipped copy written to {shipped}")
     if as_json:
         print_json(result)
         return

@@ -35,9 +35,11 @@ from ..specs import (
     SpecError,
 )
 
-__all__ = ["FLAG", "LORA_FIELDS", "SETUP_FIELDS", "SETUP_OPTIONS", "SetupOption", "fail", "given_fields",
-           "gpu_options", "knob_options", "load_model_checked", "make_setup", "print_json", "quiet_libraries",
-           "setting_option", "setup_options", "user_errors", "warn", "warn_lora_unused"]
+__all__ = ["FLAG", "Count", "LORA_FIELDS", "SETUP_FIELDS", "SETUP_OPTIONS", "SetupOption", "calibration_options",
+           "corrections_for", "fail", "given_fields", "gpu_options", "knob_options", "load_model_checked",
+           "make_setup", "print_json", "quiet_libraries",
+           "setting_option", "setup_options", "silence_stdout", "usage_line", "user_errors", "warn",
+           "warn_lora_unused"]
 
 _DEFAULT = Setup()
 
@@ -57,7 +59,21 @@ def warn(message: str) -> None:
     click.echo(f"warning: {' '.join(str(message).split())}", err=True)
 
 
-def _silence_stdout() -> None:
+def usage_line(exc: click.ClickException) -> str:
+    """A click usage error (a missing argument, an unknown option, a bad choice) as the one
+    ``error:`` line every other input error is, naming the command's ``--help``."""
+    message = " ".join(exc.format_message().split()) or "invalid usage"
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None and isinstance(exc, click.UsageError) else ""
+    return f"error: {message}{hint}"
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit after a closed pipe stays quiet."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -75,9 +91,9 @@ def user_errors(fn: Callable) -> Callable:
         except SpecError as exc:
             fail(str(exc))
         except BrokenPipeError:
-            # stdout closed early (`vramplan models | head`): not an error of the user's input
-            _silence_stdout()
-            raise SystemExit(1) from None
+            # stdout closed early (`vramplan models | head`): the reader has what it wanted
+            silence_stdout()
+            raise SystemExit(0) from None
         except OSError as exc:
             where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
             fail(f"{where}{exc.strerror or exc}")
@@ -105,6 +121,31 @@ def quiet_libraries() -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Setup options: defined once, shared by every command that takes a setup
+
+
+class Count(click.ParamType):
+    """An integer option bounded by :data:`vramplan.inputs.MAX_COUNTS` (``--batch``, ``--gpus``...),
+    so an absurd number is one error line, not minutes of search or an overflow below."""
+
+    name = "integer"
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from ..inputs import MAX_COUNTS, count_shown
+
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            if len(text) > 40 or not text.lstrip("+-").isdigit():
+                shown = text if len(text) <= 40 else text[:37] + "..."
+                self.fail(f"{shown!r} is not a whole number", param, ctx)
+            number = int(text)
+        if number > MAX_COUNTS[self.key]:
+            self.fail(f"at most {MAX_COUNTS[self.key]:,}; got {count_shown(number)}", param, ctx)
+        return number
 
 
 def _stage(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -147,8 +188,9 @@ class SetupOption:
 SETUP_OPTIONS: tuple[SetupOption, ...] = (
     SetupOption("method", "--method", click.Choice(METHODS),
                 "Full fine-tuning, LoRA adapters, or LoRA on a 4-bit base."),
-    SetupOption("lora_rank", "--lora-rank", int, "LoRA rank r."),
-    SetupOption("lora_alpha", "--lora-alpha", int, "LoRA alpha  [default: 2 x rank]", show_default=False),
+    SetupOption("lora_rank", "--lora-rank", Count("lora_rank"), "LoRA rank r."),
+    SetupOption("lora_alpha", "--lora-alpha", Count("lora_alpha"), "LoRA alpha  [default: 2 x rank]",
+                show_default=False),
     SetupOption("lora_dropout", "--lora-dropout", float),
     SetupOption("lora_targets", "--lora-targets", None,
                 "'all-linear' or comma-separated module names (q_proj,v_proj)."),
@@ -165,9 +207,9 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "HF gradient checkpointing (use_reentrant=False)."),
     SetupOption("attn", "--attn", click.Choice(ATTENTIONS),
                 "Attention implementation; auto is what transformers picks for the family."),
-    SetupOption("batch", "--batch", int, "Micro-batch size per GPU."),
-    SetupOption("seq", "--seq", int, "Sequence length in tokens."),
-    SetupOption("grad_accum", "--grad-accum", int, "Gradient accumulation steps."),
+    SetupOption("batch", "--batch", Count("batch"), "Micro-batch size per GPU."),
+    SetupOption("seq", "--seq", Count("seq"), "Sequence length in tokens."),
+    SetupOption("grad_accum", "--grad-accum", Count("grad_accum"), "Gradient accumulation steps."),
     SetupOption("zero_stage", "--zero", click.Choice(["0", "1", "2", "3"]), "DeepSpeed ZeRO stage.",
                 callback=_stage),
     SetupOption("offload_optimizer", "--offload-optimizer", click.Choice(OFFLOADS),
@@ -176,7 +218,7 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "ZeRO parameter offload (needs --zero 3); with --fsdp, FSDP's CPU offload."),
     SetupOption("fsdp", "--fsdp", click.Choice(FSDP_MODES),
                 "PyTorch FSDP sharding (accelerate's FSDP1) instead of ZeRO."),
-    SetupOption("gpus", "--gpus", int, "Number of GPUs (data parallel)."),
+    SetupOption("gpus", "--gpus", Count("gpus"), "Number of GPUs (data parallel)."),
     SetupOption("loss", "--loss", click.Choice(LOSSES),
                 "hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk."),
     SetupOption("pad_mask", "--pad-mask/--no-pad-mask", None,
@@ -259,8 +301,22 @@ def warn_lora_unused(method: str | None, given: Collection[str]) -> None:
 # ----------------------------------------------------------------------------------------------
 # GPU options and the model
 
+def _gpu_alias(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Warn when ``--gpu`` is an alias of several cards (``a100``): it names the card chosen."""
+    if value:
+        from ..inputs import ambiguous_gpu_alias
+
+        found = ambiguous_gpu_alias(value)
+        if found:
+            chosen, others = found
+            warn(f"--gpu {value} could mean {', '.join([chosen, *others])}; using {chosen} (pass its full name "
+                 "to choose)")
+    return value
+
+
 _GPU_OPTIONS = (
-    click.option("--gpu", "gpu_name", metavar="NAME", help="A shipped GPU (`vramplan gpus`), e.g. rtx-4090, a100-80gb."),
+    click.option("--gpu", "gpu_name", metavar="NAME", callback=_gpu_alias,
+                 help="A shipped GPU (`vramplan gpus`), e.g. rtx-4090, a100-80gb."),
     click.option("--gpu-memory", metavar="SIZE", help="Any GPU by its usable memory, e.g. 24GiB or 80GB."),
 )
 
@@ -271,6 +327,39 @@ def gpu_options(fn: Callable) -> Callable:
     for option in reversed(_GPU_OPTIONS):
         fn = option(fn)
     return fn
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration: estimate, plan and check apply the committed coefficients unless told not to
+
+_CALIBRATION_OPTIONS = (
+    click.option("--no-calibration", "no_calibration", is_flag=True,
+                 help="The raw model: published device terms instead of the fitted coefficients."),
+    click.option("--calibration", "calibration_file", metavar="FILE",
+                 help="Coefficients file of `vramplan calibrate`  [default: ./calibration/coefficients.json, "
+                      "else the shipped ones]"),
+)
+
+
+def calibration_options(fn: Callable) -> Callable:
+    """Add ``--no-calibration`` and ``--calibration FILE`` (passed as ``no_calibration`` and
+    ``calibration_file``); :func:`corrections_for` turns them into the estimator's Corrections."""
+    for option in reversed(_CALIBRATION_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def corrections_for(gpu, no_calibration: bool = False, calibration_file: str | None = None):
+    """The Corrections the command applies for ``gpu`` (printing the loader's warnings); an
+    explicit ``--calibration FILE`` that cannot be read is an error."""
+    from ..estimator.corrections import calibration_for
+
+    if no_calibration and calibration_file:
+        raise SpecError("pass --calibration FILE or --no-calibration, not both")
+    corrections, warnings = calibration_for(gpu, calibration_file, enabled=not no_calibration)
+    for w in warnings:
+        warn(w)
+    return corrections
 
 
 def load_model_checked(model_name: str, setup: Setup, gpu=None):

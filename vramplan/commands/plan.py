@@ -9,6 +9,7 @@ The search is :func:`vramplan.search.plan`; this module parses, prints and write
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any
 
 import click
@@ -17,6 +18,9 @@ from ..specs import SpecError
 from ..wording import describe
 from .options import (
     FLAG,
+    Count,
+    calibration_options,
+    corrections_for,
     gpu_options,
     knob_options,
     print_json,
@@ -27,7 +31,8 @@ from .options import (
 
 #: Plan keyword -> the flag a user typed, for error messages.
 _PLAN_FLAG = {**FLAG, "global_batch": "--global-batch", "tokens_per_step": "--tokens-per-step",
-              "dataset_tokens": "--dataset-tokens", "nodes": "--nodes", "host_ram": "--host-ram"}
+              "dataset_tokens": "--dataset-tokens", "nodes": "--nodes", "host_ram": "--host-ram", "margin": "--margin",
+              "lora_rank": "--lora-rank"}
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmbgt]?)\s*$", re.IGNORECASE)
 _COUNT_MULT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -42,9 +47,12 @@ def parse_count(text: str | None, flag: str) -> int | None:
         value = float(m.group(1)) * _COUNT_MULT[m.group(2).lower()] if m else float(text)
     except ValueError:
         raise SpecError(f"{flag}: cannot read {text!r} as a count; write e.g. 4096, 100M or 1.5B") from None
+    shown = text if len(text) <= 40 else text[:37] + "..."
     if not value >= 1 or value == float("inf") or value != int(value):
-        raise SpecError(f"{flag} must be a positive whole number; got {text!r}")
-    return int(value)
+        raise SpecError(f"{flag} must be a positive whole number; got {shown!r}")
+    from ..inputs import check_count
+
+    return check_count(flag.lstrip("-").replace("-", "_"), int(value), flag)
 
 
 def _flagged(message: str) -> str:
@@ -56,7 +64,6 @@ def _flagged(message: str) -> str:
 #: their help: a knob given is fixed, one left out is searched (or takes the default named).
 _KNOBS = {
     "method": "Fix the method  [default: searched]",
-    "lora_rank": "Fix the LoRA rank  [default: searched over 8-256]",
     "lora_alpha": "LoRA alpha  [default: 2 x rank]",
     "lora_dropout": "LoRA dropout  [default: 0.0]",
     "lora_targets": "'all-linear' or comma-separated module names.",
@@ -84,13 +91,21 @@ _MORE_KNOBS = {
 @click.argument("model")
 @gpu_options
 @setting_option("gpus", "GPUs in all (data parallel).")
-@click.option("--nodes", type=int, default=1, show_default=True, help="Machines the GPUs are split over evenly.")
-@click.option("--host-ram", metavar="SIZE", help="Host RAM per node for CPU offload, e.g. 128GiB  [default: not checked]")
+@click.option("--nodes", type=Count("nodes"), default=1, show_default=True,
+              help="Machines the GPUs are split over evenly.")
+@click.option("--host-ram", metavar="SIZE",
+              help="Host RAM per node for CPU offload, e.g. 128GiB  [default: this machine's when it holds the GPU, "
+                   "else the GPU profile's typical host]")
+@click.option("--margin", metavar="SHARE", type=float, default=0.10, show_default=True,
+              help="Share of usable GPU memory a plan leaves free (on top of the estimate's error band).")
 @click.option("--nvme", is_flag=True, help="Allow DeepSpeed NVMe offload (ZeRO-Infinity).")
 @setting_option("seq")
 @click.option("--global-batch", metavar="N", help="Sequences per optimizer step over all GPUs  [default: free]")
 @click.option("--tokens-per-step", metavar="N", help="Tokens per optimizer step (e.g. 1M); sets the global batch.")
 @click.option("--dataset-tokens", metavar="N", help="Training tokens (e.g. 500M) to estimate the run's time.")
+@click.option("--lora-rank", "lora_rank", metavar="N|LO..HI",
+              help="LoRA rank (a quality setting the search never raises), or a range it picks in by speed  "
+                   "[default: 16]")
 @knob_options(_KNOBS)
 @click.option("--no-quant", is_flag=True, help="Same as --quant none: an unquantized base.")
 @knob_options(_MORE_KNOBS)
@@ -98,15 +113,20 @@ _MORE_KNOBS = {
 @click.option("--out", "out_file", metavar="FILE", help="Write the plan file (.yaml, .yml or .json).")
 @click.option("--html", "html_file", metavar="FILE", help="Write a standalone HTML report.")
 @click.option("--emit", "emit_dir", metavar="DIR", help="Write the launch files (`vramplan emit`) into DIR.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --out/--html file or non-empty --emit DIR.")
+@calibration_options
 @user_errors
 def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, nodes: int, host_ram: str | None,
-         nvme: bool, seq: int, global_batch: str | None, tokens_per_step: str | None, dataset_tokens: str | None,
+         margin: float, nvme: bool, seq: int, global_batch: str | None, tokens_per_step: str | None,
+         dataset_tokens: str | None,
          no_quant: bool, as_json: bool, out_file: str | None, html_file: str | None, emit_dir: str | None,
-         **knobs: Any) -> None:
-    """The fastest setup of MODEL that fits the GPU, its alternatives, and why the others fail.
+         force: bool, **knobs: Any) -> None:
+    """The setup of MODEL to run on the GPU, its alternatives, and why the others fail.
 
-    Setup options given are kept fixed; the others are searched (method, LoRA rank, quantization,
-    optimizer, checkpointing, attention, ZeRO stage, offload, micro-batch x grad accumulation).
+    Setup options given are kept fixed; the others are searched (method, quantization, optimizer,
+    checkpointing, attention, ZeRO stage, FSDP, offload, micro-batch x grad accumulation). The plan
+    keeps the GPU resident when it can, takes the best quality tier that fits with margin (full >
+    LoRA > LoRA on an 8-bit base > QLoRA), then the most tokens/s.
     """
     from ..inputs import resolve_gpu
     from ..search import plan as run_plan
@@ -115,6 +135,7 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
     gpu = resolve_gpu(gpu_name, gpu_memory)
     if gpu is None:
         raise SpecError("plan needs a target: pass --gpu NAME or --gpu-memory SIZE")
+    _refuse_overwrites(out_file, html_file, emit_dir, force)  # before any work, so nothing is half-written
     if no_quant:
         if knobs.get("quant") not in (None, "none"):
             raise SpecError(f"pass --quant {knobs['quant']} or --no-quant, not both")
@@ -125,13 +146,15 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
             ram = parse_bytes(host_ram)
         except (ValueError, OverflowError) as exc:
             raise SpecError(f"--host-ram: {exc}") from None
+    corrections = corrections_for(gpu, knobs.pop("no_calibration"), knobs.pop("calibration_file"))
     fixed = {k: v for k, v in knobs.items() if v is not None}
     warn_lora_unused(fixed.get("method"), fixed)
     try:
-        result = run_plan(model, gpu, gpus=gpus, nodes=nodes, host_ram=ram, nvme=nvme, seq=seq,
+        result = run_plan(model, gpu, gpus=gpus, nodes=nodes, host_ram=ram, nvme=nvme, seq=seq, margin=margin,
                           global_batch=parse_count(global_batch, "--global-batch"),
                           tokens_per_step=parse_count(tokens_per_step, "--tokens-per-step"),
-                          dataset_tokens=parse_count(dataset_tokens, "--dataset-tokens"), **fixed)
+                          dataset_tokens=parse_count(dataset_tokens, "--dataset-tokens"), corrections=corrections,
+                          **fixed)
     except SpecError as exc:
         raise SpecError(_flagged(str(exc))) from None
 
@@ -154,7 +177,7 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
         from ..profiles import load_model
 
         # the search resolved MODEL (cached): the emitters reuse its spec instead of the plan's name
-        emitted = emit_to_dir(result, emit_dir, formats=None, force=False, model=load_model(model))
+        emitted = emit_to_dir(result, emit_dir, formats=None, force=force, model=load_model(model))
     if as_json:
         print_json(plan_to_json(result))
     else:
@@ -163,7 +186,26 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
         if path:
             click.echo(f"wrote {path}", err=True)
     if emitted:
-        click.echo(f"run: cd {emit_dir} && {launch_command(result)}", err=True)
+        click.echo(f"run: cd {shlex.quote(emit_dir)} && {launch_command(result)}", err=True)
+
+
+def _refuse_overwrites(out_file: str | None, html_file: str | None, emit_dir: str | None, force: bool) -> None:
+    """Every file plan would write, checked before it writes any: an existing file (or a
+    non-empty --emit DIR) needs --force, and no two outputs may be the same path."""
+    from pathlib import Path
+
+    from ..fileio import refuse_existing
+
+    paths = [p for p in (out_file, html_file) if p]
+    if len({str(Path(p).resolve()) for p in paths}) < len(paths):
+        raise SpecError("--out and --html name the same file")
+    for flag, path in (("--out", out_file), ("--html", html_file)):
+        if path:
+            refuse_existing(path, force, flag)
+    if emit_dir:
+        from ..emit import check_out_dir
+
+        check_out_dir(emit_dir, force)
 
 
 def print_plan(plan) -> None:
@@ -183,13 +225,15 @@ def print_plan(plan) -> None:
     nodes = f" over {plan.nodes} nodes" if plan.nodes > 1 else ""
     verdict = ("[bold red]does not fit[/]" if not plan.fits else "[bold yellow]fits, tight[/]" if tight
                else "[bold green]fits[/]")
-    console.print(f"[bold]{escape(plan.model)}[/] on {gpus}{escape(gpu.display_name)}{nodes} ({usable / 2**30:.1f} GiB usable): {verdict}")
+    console.print(f"[bold]{escape(plan.model)}[/] on {gpus}{escape(gpu.display_name)}{nodes} "
+                  f"({usable / 2**30:.1f} GiB usable): {verdict}")
     label = "plan" if plan.fits else "closest"
     console.print(f"{label}: {escape(describe(plan.setup))}")
     console.print(terminal_bar(bd), f" {bd.device_total_bytes / 2**30:.1f} / {usable / 2**30:.1f} GiB")
     console.print(terminal_legend(bd, console.width))
     if plan.fits:
-        console.print(f"headroom {bd.headroom_bytes / 2**30:.1f} GiB · peak in {bd.phase}"
+        share = bd.headroom_bytes / usable if usable else 0.0
+        console.print(f"headroom {bd.headroom_bytes / 2**30:.1f} GiB ({share:.0%}) · peak in {bd.phase}"
                       + (f" · host RAM {bd.host_bytes / 2**30:.1f} GiB offloaded per GPU" if bd.host_bytes else ""))
         console.print(f"speed: ~{plan.tokens_per_s:,.0f} tokens/s · {plan.step_time_s:.2f} s per step of "
                       f"{plan.global_batch} x {plan.setup.seq} tokens (micro-batch {plan.setup.batch} x grad accum "

@@ -13,7 +13,7 @@ import time
 import click
 
 from ..wording import describe
-from .options import print_json, user_errors
+from .options import calibration_options, print_json, user_errors
 
 
 @click.command()
@@ -23,11 +23,28 @@ from .options import print_json, user_errors
                    "grad_accum, checkpointing, moe, loss, zero, fsdp, ddp, gptq_awq, device_overheads, measured.")
 @click.option("--measurements", default="calibration/measurements", show_default=True, metavar="DIR",
               help="Records of `vramplan measure`/`sweep`: the 'measured' truth column.")
+@click.option("--throughput", is_flag=True,
+              help="Instead: the cost model's tokens/s vs the published runs of calibration/throughput/ "
+                   "(predicted/measured per row, median, range, pairs ordered). No torch; instant.")
+@click.option("--published", is_flag=True,
+              help="Instead: the estimate vs the published real-GPU peaks (calibration/published/), per row, "
+                   "source, method, quantity and family, and every excluded row with its reason. No torch.")
+@calibration_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable rows and summary.")
 @user_errors
-def validate(quick: bool, knobs: tuple[str, ...], measurements: str, as_json: bool) -> None:
+def validate(quick: bool, knobs: tuple[str, ...], measurements: str, throughput: bool, published: bool,
+             no_calibration: bool, calibration_file: str | None, as_json: bool) -> None:
     """Estimate vs truth (fake-tensor trace, a real CPU run, N DeepSpeed processes, or the recorded
-    measurements) for every knob: error per setup, median and worst per knob. The default matrix takes a few minutes; --quick well under one."""
+    measurements) for every knob: error per setup, median and worst per knob. The default matrix takes a few
+    minutes; --quick well under one."""
+    if throughput:
+        _throughput(as_json)
+        return
+    if published:
+        from .validate_published import run_published
+
+        run_published(as_json, no_calibration, calibration_file)
+        return
     from ..run.models import require_torch
     from ..specs import SpecError
     from ..validate import KNOBS, matrix, row_json, run_case, summarize, unverified_rows
@@ -71,7 +88,8 @@ def _print_table(rows, summary, seconds: float) -> None:
     for r in rows:
         if not r.verified:
             what = "" if r.model == "-" else f"{describe(r.setup)}: "
-            table.add_row(r.knob, r.model.split("/")[-1], f"[yellow]not verified:[/] {what}{r.why}", r.truth, "-", "-", "-", "-")
+            table.add_row(r.knob, r.model.split("/")[-1], f"[yellow]not verified:[/] {what}{r.why}", r.truth,
+                          "-", "-", "-", "-")
             continue
         err = f"{r.error:+.2%}"
         style = "red" if abs(r.error) > 0.05 else None
@@ -91,3 +109,38 @@ def _print_table(rows, summary, seconds: float) -> None:
     console.print(head)
     console.print(f"[dim]{seconds:.0f} s[/]")
     sys.stdout.flush()
+
+
+def _throughput(as_json: bool) -> None:
+    """The cost model against the published throughput rows (vramplan.throughput): pure arithmetic."""
+    from ..throughput import compare, load_records, pairs, summarize
+
+    rows = compare(load_records())
+    s = summarize(rows)
+    meets = 0.85 <= s.median_ratio <= 1.15 and s.pair_share >= 0.85
+    if as_json:
+        print_json({"rows": [{"id": r.id, "model": r.model, "gpu": r.gpu, "gpus": r.gpus, "setup": describe(r.setup),
+                              "measured_tokens_per_s": r.measured_tokens_per_s,
+                              "predicted_tokens_per_s": round(r.predicted_tokens_per_s, 1), "ratio": round(r.ratio, 4),
+                              "terms_s": {k: round(v, 4) for k, v in r.terms_s.items() if v}} for r in rows],
+                    "summary": {**s.__dict__, "pair_share": s.pair_share, "meets_bar": meets}})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, width=max(160, Console().width))
+    table = Table(show_edge=False, pad_edge=False, title="tokens/s per GPU: cost model vs published runs")
+    for col in ("record", "model", "gpu", "setup", "measured", "predicted", "pred/meas", "largest terms (s/step)"):
+        table.add_column(col, justify="right" if col in ("measured", "predicted", "pred/meas") else "left",
+                         overflow="fold")
+    for r in rows:
+        top = sorted(((v, k) for k, v in r.terms_s.items() if v > 0), reverse=True)[:3]
+        table.add_row(r.id, r.model, f"{r.gpus}x {r.gpu}", describe(r.setup), f"{r.measured_tokens_per_s:,.0f}",
+                      f"{r.predicted_tokens_per_s:,.0f}", f"{r.ratio:.3f}", " ".join(f"{k} {v:.2f}" for v, k in top))
+    console.print(table)
+    console.print(f"{s.rows} rows: median predicted/measured {s.median_ratio:.3f} (range {s.min_ratio:.3f}-"
+                  f"{s.max_ratio:.3f}); same-model pairs ordered as measured {s.pairs_ordered}/{s.pairs} "
+                  f"({s.pair_share:.0%}); bar (median 0.85-1.15, >= 85 % ordered): {'met' if meets else 'missed'}")
+    for p in pairs(rows):
+        if not p.ordered:
+            console.print(f"  misordered: {p.a.id} vs {p.b.id}")

@@ -39,8 +39,8 @@ from .trainer import hostfile, launch_script, train_script
 
 FORMATS = ("deepspeed", "accelerate", "trainer")
 
-__all__ = ["FORMATS", "accelerate_config", "deepspeed_config", "default_formats", "emit_to_dir", "launch_command",
-           "launch_commands", "parse_formats", "render", "train_script"]
+__all__ = ["FORMATS", "accelerate_config", "check_out_dir", "deepspeed_config", "default_formats", "emit_to_dir",
+           "launch_command", "launch_commands", "parse_formats", "render", "train_script"]
 
 
 def default_formats(plan: Plan) -> tuple[str, ...]:
@@ -74,6 +74,11 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
         if name not in FORMATS:
             raise SpecError(f"unknown format {name!r}; use {', '.join(FORMATS)}")
     model = model or plan_model(plan)
+    from ..compat import known_failures
+
+    hits = known_failures(plan.setup, model)
+    if hits:  # never write a combination known not to run (vramplan/compat.py)
+        raise SpecError(f"refusing to emit: {hits[0].message()}")
     files: dict[str, str] = {}
     if "deepspeed" in formats or ("trainer" in formats and uses_deepspeed(plan)):
         files[DS_CONFIG] = ds.dumps(deepspeed_config(plan, model=model))
@@ -89,26 +94,28 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
     return files
 
 
+def check_out_dir(out_dir: str | os.PathLike, force: bool) -> None:
+    """The checks :func:`emit_to_dir` makes before it writes (``plan --emit`` makes them before it
+    writes anything else): ``out_dir`` is a directory or absent, and empty unless ``force``."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise SpecError(f"{out} exists and is not empty; pass --force to overwrite its files")
+
+
 def emit_to_dir(plan: Plan, out_dir: str | os.PathLike, formats: tuple[str, ...] | list[str] | None = None,
                 force: bool = False, *, model: ModelSpec | None = None) -> list[Path]:
     """Write the files of ``formats`` into ``out_dir`` (``model``: as for :func:`render`); return
     their paths.
 
     An existing non-empty ``out_dir`` is refused (one-line SpecError) unless ``force``; with
-    ``force`` the files are replaced one by one and other files there are left alone.
+    ``force`` its files of the same names are replaced and other files there are left alone.
+    The files are staged and moved into place together: an interrupted emit leaves all or none.
     """
-    from ..fileio import atomic_write_text
+    from ..fileio import write_files
 
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise SpecError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise SpecError(f"{out} exists and is not empty; pass --force to overwrite its files")
+    check_out_dir(out_dir, force)
     files = render(plan, formats, model=model)
-    paths = []
-    for name, text in files.items():
-        path = atomic_write_text(out / name, text)
-        if name in (LAUNCH_SCRIPT, TRAIN_SCRIPT):
-            path.chmod(path.stat().st_mode | 0o111)
-        paths.append(path)
-    return paths
+    data = {name: text.encode("utf-8") for name, text in files.items()}
+    return write_files(out_dir, data, executable=frozenset({LAUNCH_SCRIPT, TRAIN_SCRIPT}))

@@ -7,6 +7,8 @@ same plan always emits the same bytes (golden files in tests/golden/emit/).
 
 from __future__ import annotations
 
+import re
+
 from ..specs import ModelSpec, Plan, SpecError
 from ..wording import describe
 
@@ -141,5 +143,23 @@ def header_lines(plan: Plan, runs: str | None = None) -> list[str]:
     return lines
 
 
+#: Characters a comment may hold as they are in every language it lands in (shell, Python, YAML):
+#: printable text and tabs; no line or paragraph separators, controls or BOM.
+_UNSAFE = re.compile("[^\t\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufefe\uff00-\ufffd\U00010000-\U0010ffff]")
+
+
+def one_line(text: str) -> str:
+    """``text`` as one comment-safe line: a newline, carriage return, form feed, NUL, Unicode line
+    separator (anything shell, Python or YAML could end a line on, or refuse) becomes its visible
+    escape (``\\n``, ``\\x0c``, ``\\u2028``), so a value from a user never leaves its comment."""
+    return _UNSAFE.sub(_escaped, text)
+
+
+def _escaped(match: re.Match) -> str:
+    ch = match.group()
+    return {"\n": "\\n", "\r": "\\r"}.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")
+
+
 def comment(lines: list[str], marker: str = "#") -> str:
-    return "".join(f"{marker} {line}".rstrip() + "\n" for line in lines)
+    """Comment lines; each value is kept on its own line (:func:`one_line`)."""
+    return "".join(f"{marker} {one_line(line)}".rstrip() + "\n" for line in lines)

@@ -5,7 +5,7 @@ transients of the step's moments in ``estimator/transients.py``; the family trai
 on (norm style, RoPE, dropout, sliding windows, ...) come from ``ModelSpec.traits``.
 
 Each function returns bytes per token, read off the modeling code of transformers 5 and peft and
-checked op by op with the tracer (``vramplan.tracer.trace_numbers(...).saved_detail`` lists every
+checked op by op with the tracer (``vramplan.run.tracer.trace_numbers(...).saved_detail`` lists every
 saved storage with the module that saved it). Notation as in Korthikanti et al. 2022
 (arXiv 2205.05198): h hidden, q = heads*head_dim, kv = kv_heads*head_dim, i intermediate, a heads,
 s sequence, c bytes of the compute dtype, r LoRA rank. Attention is costed as CUDA runs it: SDPA
@@ -45,7 +45,8 @@ def masked_layers(model: ModelSpec, setup: Setup) -> int:
     return model.traits.sliding_layers
 
 
-def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: int | None = None, rows: int = 1) -> float:
+def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: int | None = None,
+               rows: int = 1) -> float:
     """One norm over ``width`` (h by default), ``rows`` of them per token.
 
     - rms (llama): fp32 upcast of the input (4w) and rsqrt (4), plus the c-byte normalised tensor
@@ -216,9 +217,11 @@ def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "me
         common += c * h * (1 if t.shared_norm else 2)
     common += attention_bytes(model, setup)
     common += t.dropout_masks_per_layer * h
-    common += _adapter_bytes_per_layer(model, setup, ("attn", "other")) + _int8_inputs_per_layer(model, setup, ("attn", "other"))
+    common += (_adapter_bytes_per_layer(model, setup, ("attn", "other"))
+               + _int8_inputs_per_layer(model, setup, ("attn", "other")))
     common += _zero3_frozen_inputs_per_layer(model, setup, ("attn", "other"))
-    dense = mlp_bytes(model, setup) + _adapter_bytes_per_layer(model, setup, ("mlp",)) + _int8_inputs_per_layer(model, setup, ("mlp",))
+    dense = (mlp_bytes(model, setup) + _adapter_bytes_per_layer(model, setup, ("mlp",))
+             + _int8_inputs_per_layer(model, setup, ("mlp",)))
     dense += _zero3_frozen_inputs_per_layer(model, setup, ("mlp",))
     if model.moe is None:
         return common, dense

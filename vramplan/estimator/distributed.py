@@ -234,7 +234,8 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
             L = max(model.num_layers, 1)
             layer = sum(l.params for l in model.linears if l.role != "head")
             layer = (layer + sum(k for name, k in model.other_params if name in ("experts", "router", "qk_norms"))) // L
-            gathered = max(gathered, pb * layer + adapter_dtype_bytes(setup) * (trainable // L if setup.adapters else 0))
+            gathered = max(gathered,
+                           pb * layer + adapter_dtype_bytes(setup) * (trainable // L if setup.adapters else 0))
         static_grad = True
         if off_opt:
             host_terms = [("fp32 master partition", master), ("16-bit gradient partition", grad_part),

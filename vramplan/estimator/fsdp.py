@@ -56,7 +56,7 @@ from .lora import lora_params
 from .optimizers import linear_and_other_tensors
 
 #: Setup.precision -> whether accelerate runs FSDP with a MixedPrecision policy (emit/accelerate.py
-#: ``_MIXED_PRECISION``: pure fp16 and fp32 run without one).
+#: ``MIXED_PRECISION``: pure fp16 and fp32 run without one).
 _FSDP_MIXED = {"bf16": True, "bf16-mixed": True, "fp16": False, "fp16-mixed": True, "fp32": False}
 
 #: Optimizer states per trainable shard element: AdamW's two moments and SGD's momentum in the

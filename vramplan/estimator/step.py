@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..bands import DEFAULT_ERROR_BANDS
 from ..setup_checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..units import PRECISION_WEIGHT_DTYPE
@@ -37,6 +38,7 @@ from .model_states import (
     weights_bytes,
 )
 from .precision import compute_bytes
+from .stack import DEFAULT_STACK, Stack, stack_notes
 
 
 def estimate(
@@ -44,13 +46,16 @@ def estimate(
     setup: Setup,
     gpu: GpuSpec | None = None,
     corrections: Corrections = DEFAULT_CORRECTIONS,
+    stack: Stack = DEFAULT_STACK,
 ) -> Breakdown:
-    """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU)."""
+    """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU), as the
+    libraries of ``stack`` run it (estimator/stack.py: transformers 5 unless told)."""
     single = _model_states(model, setup)
     notes = check(model, setup, gpu)  # raises SpecError for a setup peft would refuse
+    notes += stack_notes(model, setup, stack)
     cast = _autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)
-    acts = _activations(model, setup)
+    acts = _activations(model, setup, stack)
     phase_peaks, recompute = _phase_peaks(model, setup, states, cast, acts)
     phase = max(PHASES, key=lambda p: phase_peaks[p])
     tensor_peak = phase_peaks[phase]
@@ -75,7 +80,8 @@ def estimate(
         host_bytes=int(states.host),
         gpu=gpu,
         notes=tuple(notes),
-        error_band=corrections.error_band,
+        error_band=corrections.bands or DEFAULT_ERROR_BANDS,  # the documented default when uncalibrated
+        calibration=corrections.calibration,
     )
 
 
@@ -187,7 +193,7 @@ def _activation_setup(setup: Setup) -> Setup:
     return setup.replace(precision=setup.precision[:4]) if fsdp_mixed_load else setup
 
 
-def _activations(model: ModelSpec, setup: Setup) -> StepActivationTerms:
+def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK) -> StepActivationTerms:
     """Per layer (token-sized, plus weight-sized for peft's merged MoE experts), outside the layers,
     the loss, and the dequantization transients."""
     aset = _activation_setup(setup)
@@ -202,7 +208,7 @@ def _activations(model: ModelSpec, setup: Setup) -> StepActivationTerms:
     A_deq = 0 if setup.checkpointing else int(L * D_layer)
     A_layers = int(L * kept_tok + (0 if setup.checkpointing else merged_total)) + A_deq
     A_glob = int(act.global_bytes_per_token(model, aset) * N)
-    logits_fwd, logits_bwd = transients.loss_transients(model, aset)
+    logits_fwd, logits_bwd = transients.loss_transients(model, aset, stack)
     T_attn = transients.attention_backward_transient_per_token(model, aset) * N
     T_deq = dequantization_transient_bytes(model, setup)
     # a GPTQ forward dequantizes each Linear in turn (the largest counts); its backward reuses the
@@ -210,7 +216,8 @@ def _activations(model: ModelSpec, setup: Setup) -> StepActivationTerms:
     T_deq_fwd = 0
     if setup.quant == "gptq":
         largest = max((l.weight_params for l in prequantized_linears(model)), default=0)
-        T_deq_fwd = GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT[setup.quant_bits] * largest - (0 if setup.checkpointing else 2 * largest)
+        T_deq_fwd = (GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT[setup.quant_bits] * largest
+                     - (0 if setup.checkpointing else 2 * largest))
         if not setup.checkpointing:
             T_deq = 0
     elif setup.quant == "awq" and N > 1024:  # AwqGemmFn dequantizes the whole weight for > 1024 rows
@@ -330,28 +337,36 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
     T_deq, T_deq_fwd = a.dequantization, a.dequantization_forward
     logits = max(a.logits_forward, a.logits_backward)
     comps = [
-        Component("weights", st.weights, PHASES, note=_weights_note(setup) if st.fsdp is None else "this rank's FSDP shards"),
+        Component("weights", st.weights, PHASES,
+                  note=_weights_note(setup) if st.fsdp is None else "this rank's FSDP shards"),
         Component("adapters", st.adapters, PHASES, note="LoRA A/B in fp32") if st.adapters else None,
-        Component("autocast_weight_cache", st.cast_cache, fb, note="half copies of weights under autocast") if st.cast_cache else None,
+        Component("autocast_weight_cache", st.cast_cache, fb, note="half copies of weights under autocast")
+        if st.cast_cache else None,
         Component("gradients", st.gradients, ("backward", "optimizer") if setup.grad_accum == 1 else PHASES),
         Component("optimizer_states", st.optimizer_states, PHASES, note=setup.optimizer),
         Component("paged_optimizer_states", paged, PHASES,
                   note="cudaMallocManaged: in device_total, not in tensor peak/allocated/reserved") if paged else None,
-        Component("optimizer_step", st.optimizer_step, ("optimizer",), note="foreach step transient") if st.optimizer_step else None,
+        Component("optimizer_step", st.optimizer_step, ("optimizer",), note="foreach step transient")
+        if st.optimizer_step else None,
         Component("activations", A_layers - A_deq if not setup.checkpointing else 0, fb, note="saved for backward"),
         Component("dequantized_weights", A_deq, fb,
                   note="GPTQ: each Linear's 16-bit weight, saved by torch.matmul for backward") if A_deq else None,
         Component("dequantization", max(T_deq, T_deq_fwd), fb,
                   note="one Linear's weight dequantized (estimate only: validate)")
         if setup.quant in ("gptq", "awq") and max(T_deq, T_deq_fwd) else None,
-        Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb, note="layer inputs kept by checkpointing") if setup.checkpointing else None,
-        Component("recompute", recompute, ("backward",), note="one layer recomputed, with its gradient temporaries") if recompute else None,
+        Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb,
+                  note="layer inputs kept by checkpointing") if setup.checkpointing else None,
+        Component("recompute", recompute, ("backward",), note="one layer recomputed, with its gradient temporaries")
+        if recompute else None,
         Component("model_io_activations", a.model_io, fb, note="embeddings, final norm, fp32 log-probs"),
         Component("logits_loss", logits, fb,
-                  note="logits, fp32 upcast and its gradient" if setup.loss == "hf" else f"one {transients.LOSS_CHUNK_TOKENS}-token chunk at a time (chunked loss)"),
+                  note="logits, fp32 upcast and its gradient" if setup.loss == "hf"
+                  else f"one {transients.LOSS_CHUNK_TOKENS}-token chunk at a time (chunked loss)"),
         Component("deepspeed_buffers", st.buffers, PHASES) if st.buffers and not st.ddp_buckets else None,
-        Component("ddp_buckets", st.ddp_buckets, PHASES, note="DDP gradient buckets (a copy of the gradients)") if st.ddp_buckets else None,
-        Component("fsdp_gathered", st.fsdp_gathered, PHASES, note="unsharded root unit + one layer unit (16-bit)") if st.fsdp_gathered else None,
+        Component("ddp_buckets", st.ddp_buckets, PHASES, note="DDP gradient buckets (a copy of the gradients)")
+        if st.ddp_buckets else None,
+        Component("fsdp_gathered", st.fsdp_gathered, PHASES, note="unsharded root unit + one layer unit (16-bit)")
+        if st.fsdp_gathered else None,
         *(Component(name, n, PHASES, note=note) for name, n, note in overheads),
         Component("host_offload", st.host, PHASES, where="host") if st.host else None,
     ]

@@ -2,7 +2,7 @@
 backward, the widest LoRA projection of a (recomputed) forward, and the logits and loss.
 
 Per token unless stated, read off the tracer's per-moment peaks and op timeline
-(``vramplan.tracer``); ``vramplan.estimator.estimate`` places them at the step's moments.
+(``vramplan.run.tracer``); ``vramplan.estimator.estimate`` places them at the step's moments.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .precision import (
     autocast_bytes,
     compute_bytes,
 )
+from .stack import DEFAULT_STACK, Stack
 
 #: Bytes per token, in units of h, of the norm and attention gradients at the worst moment of a
 #: layer's backward (fp32 norm gradients dominate), per norm style and full/LoRA; read off the
@@ -77,7 +78,8 @@ def lora_forward_peak_per_token(model: ModelSpec, setup: Setup, idx: int) -> flo
     norm = norm_bytes(model, setup, trainable_weight=False) + c * h
     peaks, before = [0.0], norm
     for l in adapted_linears(model, setup):
-        if l.role != "attn" or l.out_features == h and l.in_features == model.q_dim and l.name.endswith(("o_proj", "dense", "out_proj", "c_proj")):
+        if l.role != "attn" or (l.out_features == h and l.in_features == model.q_dim
+                                and l.name.endswith(("o_proj", "dense", "out_proj", "c_proj"))):
             continue  # the output projection runs on the attention's output, after its saves
         peaks.append(at(l, before))
         before += c * l.out_features + copy * l.in_features + a * r
@@ -105,7 +107,7 @@ def attention_backward_transient_per_token(model: ModelSpec, setup: Setup) -> fl
 LOSS_CHUNK_TOKENS = 1024
 
 
-def loss_transients(model: ModelSpec, setup: Setup) -> tuple[int, int]:
+def loss_transients(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK) -> tuple[int, int]:
     """Bytes alive at the loss in the forward and at its backward, beyond saved activations.
 
     transformers' ForCausalLMLoss: the c-byte logits and their fp32 copy while log_softmax runs
@@ -114,12 +116,20 @@ def loss_transients(model: ModelSpec, setup: Setup) -> tuple[int, int]:
     forward its fp32 logits and log-probabilities (the c-byte logits are freed by the upcast),
     in the backward the recomputed pair and the fp32 gradient of the logits, beside the c-byte
     gradient of the hidden states being assembled and (full fine-tuning, more than one chunk) the
-    head weight's gradient of the chunks already done."""
+    head weight's gradient of the chunks already done.
+
+    transformers 4.46-4.48 (``stack.loss_shift_copy``) also copy the shifted fp32 logits
+    (``logits[..., :-1, :].contiguous()``, b (s-1) V) while cross_entropy runs; its backward then
+    peaks as 5's does (the slice's zero-filled fp32 gradient appears once the log-probs' are freed)."""
     c, V, N, h = autocast_bytes(setup), model.vocab_size, setup.tokens, model.hidden_size
     if setup.loss == "hf":
         # fp32 logits (fp32 or k-bit-prepared models): ``.float()`` is a no-op, no copy
-        return (c + (4 if c < 4 else 0)) * N * V, 8 * N * V
+        forward = (c + (4 if c < 4 else 0)) * N * V
+        if stack.loss_shift_copy:
+            forward += 4 * setup.batch * (setup.seq - 1) * V
+        return forward, 8 * N * V
     chunk = min(N, LOSS_CHUNK_TOKENS)
     # full fine-tuning: the head weight's gradient of the chunks done so far waits for the next
-    head_grad = V * h * int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]]) if setup.method == "full" and N > chunk else 0
+    head_grad = (V * h * int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]])
+                 if setup.method == "full" and N > chunk else 0)
     return 8 * chunk * V, 12 * chunk * V + c * N * h + head_grad

@@ -36,7 +36,8 @@ def chunked_cross_entropy(hidden, weight, labels, chunk: int = LOSS_CHUNK_TOKENS
 
     total = None
     for start in range(0, flat.shape[0], chunk):
-        part = checkpoint(chunk_loss, flat[start:start + chunk], weight, shift[start:start + chunk], use_reentrant=False)
+        part = checkpoint(chunk_loss, flat[start:start + chunk], weight, shift[start:start + chunk],
+                          use_reentrant=False)
         total = part if total is None else total + part
     return total / count.clamp(min=1).to(total.dtype)
 

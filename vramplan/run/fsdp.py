@@ -82,7 +82,8 @@ class FsdpRun:
 # the launcher (no torch at import)
 
 
-def run_fsdp(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ, timeout_s: float = 600) -> list[FsdpRun]:
+def run_fsdp(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ,
+             timeout_s: float = 600) -> list[FsdpRun]:
     """Run each setup (FSDP, or DDP when ``world`` > 1) on ``world`` processes, in one launch."""
     for s in setups:
         if s.gpus != world:
@@ -381,14 +382,16 @@ FSDP_MATRIX = (
     # accumulation as accelerate runs it: no_sync() on all but the last micro-batch
     {"fsdp": "full_shard", "grad_accum": 2}, {"fsdp": "full_shard", "grad_accum": 2, "offload_params": "cpu"},
     # fp32-loaded weights (the HF Trainer's default load) under bf16 MixedPrecision
-    {"fsdp": "full_shard", "precision": "bf16-mixed"}, {"fsdp": "full_shard", "precision": "bf16-mixed", "method": "lora"},
+    {"fsdp": "full_shard", "precision": "bf16-mixed"},
+    {"fsdp": "full_shard", "precision": "bf16-mixed", "method": "lora"},
     # fp16 MixedPrecision (with FSDP's ShardedGradScaler) and pure fp16 (no policy)
     {"fsdp": "full_shard", "precision": "fp16-mixed"}, {"fsdp": "full_shard", "precision": "fp16"},
     # QLoRA: bitsandbytes 4-bit weights packed in the load dtype, flattened with the layer's norms
     {"fsdp": "full_shard", "method": "qlora"}, {"fsdp": "full_shard", "method": "qlora", "checkpointing": True},
     {"fsdp": "full_shard", "method": "qlora", "precision": "fp32"},
     # bitsandbytes 8-bit AdamW on the original parameters' shard slices
-    {"fsdp": "full_shard", "optimizer": "adamw-8bit"}, {"fsdp": "full_shard", "method": "lora", "optimizer": "adamw-8bit"},
+    {"fsdp": "full_shard", "optimizer": "adamw-8bit"},
+    {"fsdp": "full_shard", "method": "lora", "optimizer": "adamw-8bit"},
 )
 #: On one rank FSDP runs any sharded strategy as NO_SHARD; with LoRA on a model with tied
 #: embeddings that fails (see UNVERIFIED), so LoRA runs on an untied base (UNTIED_MATRIX).

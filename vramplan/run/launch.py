@@ -22,12 +22,14 @@ A process that dies without a result (killed, crashed, timed out) becomes a reco
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +92,35 @@ def _failure(request: dict, log: Path, *, timeout: bool, returncode: int | None,
     return out
 
 
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """In the child, before exec: ask Linux to SIGKILL it when the launching process dies (a
+    ``kill -9`` of ``vramplan measure`` skips every cleanup), and exit at once if that already
+    happened. Elsewhere (no prctl) the timeout's process-group kill is the only guard."""
+
+    def arm() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    # the worker's own temporary files (its Trainer output dir) go inside the run's directory,
+    # which the caller removes, instead of leaking into /tmp on every run
+    tmp = log.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {**env, "TMPDIR": str(tmp)}
     with open(log, "ab") as fh:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
 
 
 def run_one(request: dict, workdir: str | os.PathLike, timeout_s: float) -> dict:
@@ -116,12 +143,12 @@ def run_one(request: dict, workdir: str | os.PathLike, timeout_s: float) -> dict
     deadline = time.monotonic() + timeout_s
     results = []
     timed_out = False
-    for proc, req, log in procs:
+    for proc, _req, _log in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-    for proc, req, log in procs:
+    for proc, _req, _log in procs:
         if proc.poll() is None:
             _kill_group(proc)
     release_deepspeed_shm(port)

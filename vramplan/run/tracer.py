@@ -149,13 +149,16 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
         raise NotTraceable(f"{setup.quant.upper()} bases need gptqmodel and a pre-quantized checkpoint; they are not "
                            "traced (estimate only: docs/commands/validate.md)")
     if setup.quant != "none":
-        raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; it needs a real run (the measured tier)")
+        raise NotTraceable("bitsandbytes quantized layers cannot run on fake tensors; "
+                           "it needs a real run (the measured tier)")
     if setup.zero_stage or setup.gpus > 1:
         raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; it needs a real run (the measured tier)")
     if setup.precision in ("bf16-mixed", "fp16-mixed"):
-        dtype, autocast_dtype = torch.float32, {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setup.precision]
+        dtype = torch.float32
+        autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setup.precision]
     else:
-        dtype, autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[setup.precision], None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[setup.precision]
+        autocast_dtype = None
 
     hf_cfg = hf_config(config, num_layers)
     hf_cfg.use_cache = False
@@ -246,7 +249,8 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                 counter.saved.add(sid)
                 key = module_stack[-1] if module_stack else "<model>"
                 saved_by_module[key] = saved_by_module.get(key, 0) + t.untyped_storage().nbytes()
-                saved_detail.append((key, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.untyped_storage().nbytes()))
+                saved_detail.append((key, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                     t.untyped_storage().nbytes()))
             return t
 
         input_ids = torch.randint(0, int(config.get("vocab_size", 32000)), (setup.batch, setup.seq))
@@ -262,7 +266,7 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
             if step == steps - 1:
                 saved_by_module.clear()
                 saved_detail.clear()
-            for micro in range(setup.grad_accum):
+            for _micro in range(setup.grad_accum):
                 counter.moment = "forward:layers"
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
                     loss = model(**batch).loss
@@ -290,7 +294,8 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
     )
 
 
-def _combine(base: TraceNumbers, deltas: list[tuple[TraceNumbers, TraceNumbers, float]], num_layers: int) -> TraceNumbers:
+def _combine(base: TraceNumbers, deltas: list[tuple[TraceNumbers, TraceNumbers, float]],
+             num_layers: int) -> TraceNumbers:
     """``base`` plus, for each (lo, hi, n), n times the per-layer difference hi - lo."""
 
     def value(get) -> int:
@@ -332,7 +337,8 @@ def _layer_types(config: dict) -> list[str] | None:
 
 
 def trace(
-    model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, *, full_depth_max: int = 4, depths: tuple[int, int] = (2, 3)
+    model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, *, full_depth_max: int = 4,
+    depths: tuple[int, int] = (2, 3),
 ) -> Breakdown:
     """Traced Breakdown of ``setup`` on ``model``.
 

@@ -259,7 +259,7 @@ def serve(requests: list[dict]) -> int:
             time.sleep(0.05)
         release_deepspeed_shm(ranks[0][1]["MASTER_PORT"])
         results = []
-        for (req, _), pid in zip(ranks, pids):
+        for (req, _), pid in zip(ranks, pids, strict=True):
             if not Path(req["result"]).is_file():
                 where = _read_status(req)
                 atomic_write_text(req["result"], json.dumps({

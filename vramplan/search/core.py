@@ -27,9 +27,9 @@ class Search:
     """One search over the free knobs for one target."""
 
     def __init__(self, model: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any],
-                 band: float | None, margin: bool = True):
-        self.space = Space(model, target, shape, fixed)
-        self.ev = Evaluator(model, target, shape, band, margin)
+                 band: float | None, strict: bool = True, ranks: tuple[int, ...] | None = None):
+        self.space = Space(model, target, shape, fixed, ranks)
+        self.ev = Evaluator(model, target, shape, band, strict)
         self.mb_hint: dict[tuple, int] = {}  # setup but its rank -> index of a lower rank's largest micro-batch
 
     @property
@@ -57,8 +57,7 @@ class Search:
         # seed: extrapolate linearly from the first two
         slope = (second.device_total_bytes - first.device_total_bytes) / max(mbs[1] - mbs[0], 1)
         if slope > 0:
-            margin = 1 + ev.band_of(first.breakdown) if ev.margin else 1
-            room = self.target.gpu.usable_memory_bytes / margin - first.device_total_bytes
+            room = ev.limit(first.breakdown) - first.device_total_bytes
             guess_mb = mbs[0] + room / slope
             guess = max(i for i, m in enumerate(mbs) if i <= 1 or m <= guess_mb)
         else:
@@ -132,8 +131,10 @@ class Search:
 
     # -- families -------------------------------------------------------------------------------
 
-    def family_best(self, family: Setup) -> tuple[Candidate | None, Candidate | None]:
-        """(fastest fitting candidate of the family, its smallest-memory candidate at micro-batch 1)."""
+    def family_best(self, family: Setup) -> tuple[list[Candidate], Candidate | None]:
+        """(per residency class, the family's fastest fitting candidate; its smallest-memory
+        candidate at micro-batch 1). Classes (:func:`~.rank.residency`: resident, an engine on one
+        GPU, offload) are searched apart, so a faster offload plan never hides a resident one."""
         ev = self.ev
         configs = self.space.savers(family)
         mb0 = self.shape.micro_batches[0]
@@ -151,24 +152,42 @@ class Search:
             if key not in verdict:
                 judged = ev.judge(ev.at_micro(floors[key], mb0))
                 verdict[key] = judged.fits
-                if judged.breakdown is not None and (lowest is None or judged.device_total_bytes < lowest.device_total_bytes):
+                if judged.breakdown is not None and (lowest is None
+                                                     or judged.device_total_bytes < lowest.device_total_bytes):
                     lowest = judged
             return verdict[key]
 
-        best: Candidate | None = None
-        ranked = sorted(((ev.speed_bound(s), i, s) for i, s in enumerate(configs)), key=lambda t: (-t[0], t[1]))
-        for bound, _, s in ranked:
-            if best is not None and bound <= best.tokens_per_s:
-                break
-            if not feasible(placement_key(s)):
-                continue
-            c = self.fitting_micro_batch(s)
-            if c is not None and (best is None or c.tokens_per_s > best.tokens_per_s):
-                best = c
-        if best is None:  # infeasible: every floor was judged; report the smallest
+        bests: list[Candidate] = []
+        for cls in sorted({rank.residency(s) for s in configs}):
+            best: Candidate | None = None
+            group = [s for s in configs if rank.residency(s) == cls]
+            ranked = sorted(((ev.speed_bound(s), i, s) for i, s in enumerate(group)), key=lambda t: (-t[0], t[1]))
+            for bound, _, s in ranked:
+                if best is not None and bound <= best.tokens_per_s:
+                    break
+                if not feasible(placement_key(s)):
+                    continue
+                c = self.fitting_micro_batch(s)
+                if c is not None and (best is None or c.tokens_per_s > best.tokens_per_s):
+                    best = c
+            if best is not None:
+                bests.append(best)
+        if not bests:  # infeasible: every floor was judged; report the smallest
             for key in floors:
                 feasible(key)
-        return best, lowest
+        return bests, lowest
+
+    def refine_micro_batch(self, c: Candidate) -> Candidate:
+        """With the micro-batch free (no global batch, none fixed), the largest micro-batch that
+        fits, not only the largest power of two, when it is faster (what the note names)."""
+        if self.shape.per_gpu is not None or len(self.shape.micro_batches) < 2:
+            return c
+        cap = self.shape.micro_batches[-1]
+        biggest = min(self.biggest_micro_batch(c.setup), cap)
+        if biggest <= c.setup.batch:
+            return c
+        better = self.ev.judge(self.ev.at_micro(c.setup, biggest))
+        return better if better.fits and better.tokens_per_s > c.tokens_per_s else c
 
     def run(self) -> Result:
         families = self.space.families()
@@ -177,9 +196,8 @@ class Search:
         bests: list[Candidate] = []
         floors: list[Candidate] = []
         for fam in families:
-            best, lowest = self.family_best(fam)
-            if best is not None:
-                bests.append(best)
+            found, lowest = self.family_best(fam)
+            bests += found
             if lowest is not None:
                 floors.append(lowest)
         return Result(self, families, bests, floors)
@@ -192,11 +210,18 @@ class Result:
 
     search: Search
     families: list[Setup]
-    bests: list[Candidate]  # per family, fitting
+    bests: list[Candidate]  # per family and residency class, fitting
     floors: list[Candidate]  # per family, smallest memory seen
 
     def choose(self) -> Candidate | None:
-        return rank.choose(self.bests, self.search.ev.useful_rate)
+        """The chosen candidate (:func:`~.rank.choose`), at its largest fitting micro-batch."""
+        chosen = rank.choose(self.bests)
+        if chosen is None:
+            return None
+        refined = self.search.refine_micro_batch(chosen)
+        if refined is not chosen:
+            self.bests[self.bests.index(chosen)] = refined
+        return refined
 
     def fastest(self) -> float | None:
         return max((c.tokens_per_s for c in self.bests), default=None)

@@ -18,6 +18,10 @@ from .verdicts import Candidate, Misfit
 #: Relative error assumed for an estimate until calibration provides ``Breakdown.error_band``
 #: (the accuracy bar ``vramplan validate`` holds the estimator to).
 DEFAULT_ERROR_BAND = 0.05
+#: Bytes kept free beyond the high end of the error band for the caching allocator: blocks split
+#: and cached across steps that the estimate's allocator_overhead (a share of what is allocated)
+#: does not see in a long run. A judgement value until measurements calibrate it.
+ALLOCATOR_ALLOWANCE_BYTES = 256 * 2**20
 #: Share of host RAM offloaded state may take (the OS, the dataloader and the Python process need
 #: the rest).
 HOST_RAM_SHARE = 0.85
@@ -26,13 +30,21 @@ _NO_RANK = 1 << 30
 
 
 class Evaluator:
-    """Judges setups of ``model`` on ``target``: fits with the error band as margin (``margin``
-    False: without it), or why not. ``band`` None: each estimate's own band, or the default."""
+    """Judges setups of ``model`` on ``target``: fits with margins (``strict``; False: anything
+    under the usable memory fits, and such plans are tight), or why not. ``band`` None: each
+    estimate's own band, or the default.
+
+    **Fit** (strict): the high end of the estimate's error band plus the allocator allowance is
+    within the usable memory, and the headroom is at least ``target.margin`` of it::
+
+        device_total * (1 + band) + ALLOCATOR_ALLOWANCE_BYTES <= usable
+        device_total <= usable * (1 - margin)
+    """
 
     def __init__(self, model: ModelSpec, target: Target, shape: BatchShape, band: float | None,
-                 margin: bool = True):
+                 strict: bool = True):
         self.model, self.target, self.shape = model, target, shape
-        self.band, self.margin = band, margin
+        self.band, self.strict = band, strict
         self.cache: dict[Setup, Breakdown] = {}
         self.failures: list[Candidate] = []  # estimated setups that did not fit
         self.fail_rank: dict[tuple, int] = {}  # setup but its rank -> lowest rank known to fail
@@ -43,7 +55,7 @@ class Evaluator:
     def estimate(self, setup: Setup) -> Breakdown:
         bd = self.cache.get(setup)
         if bd is None:
-            bd = estimate(self.model, setup, self.target.gpu)
+            bd = estimate(self.model, setup, self.target.gpu, self.target.corrections)
             self.cache[setup] = bd
         return bd
 
@@ -57,16 +69,22 @@ class Evaluator:
     def step(self, setup: Setup) -> cost.StepCost:
         return cost.step_cost(self.model, setup, self.target.gpu, self.target.nodes, self.counts(setup))
 
-    def useful_rate(self, c: Candidate) -> float:
-        """Training FLOP/s a candidate gets out of the hardware: tokens/s x its method's FLOPs per
-        token (recompute excluded). Ranking on it compares how much of the card each plan spends
-        on memory savers, not the FLOPs a better method costs by design (6N full vs 4N LoRA)."""
-        return c.tokens_per_s * cost.train_flops_per_token(self.model, c.setup, self.counts(c.setup))
-
     def band_of(self, bd: Breakdown) -> float:
+        """The one place the search reads an estimate's error band."""
         if self.band is not None:
             return self.band
-        return bd.error_band if bd.error_band is not None else DEFAULT_ERROR_BAND
+        # the high end of the device total's band (calibrated, or the documented default)
+        return bd.error_band.device_total_bytes.high if bd.error_band is not None else DEFAULT_ERROR_BAND
+
+    def limits(self, bd: Breakdown) -> tuple[float, float]:
+        """(largest device total within the error band and allocator allowance, largest one that
+        leaves the headroom margin), in bytes."""
+        usable = self.target.gpu.usable_memory_bytes
+        return ((usable - ALLOCATOR_ALLOWANCE_BYTES) / (1 + self.band_of(bd)), usable * (1 - self.target.margin))
+
+    def limit(self, bd: Breakdown) -> float:
+        """The largest device total that fits (strict: both margins; else the usable memory)."""
+        return min(self.limits(bd)) if self.strict else self.target.gpu.usable_memory_bytes
 
     def host_need(self, setup: Setup, bd: Breakdown) -> int:
         """Host RAM per node the offloaded state needs (NVMe-offloaded state lives on disk)."""
@@ -86,11 +104,15 @@ class Evaluator:
     def misfit(self, setup: Setup, bd: Breakdown) -> Misfit | None:
         """Why ``setup`` (estimated as ``bd``) does not fit the target, or None when it does."""
         usable = self.target.gpu.usable_memory_bytes
-        band = self.band_of(bd)
-        need = bd.device_total_bytes * ((1 + band) if self.margin else 1)
-        if need > usable:
-            kind = "gpu" if bd.device_total_bytes > usable else "error_band"
-            return Misfit(kind, bd.device_total_bytes, usable, band=band)
+        total = bd.device_total_bytes
+        if total > usable:
+            return Misfit("gpu", total, usable)
+        if self.strict:
+            band_limit, margin_limit = self.limits(bd)
+            if total > band_limit:
+                return Misfit("error_band", total, usable, band=self.band_of(bd), allowance=ALLOCATOR_ALLOWANCE_BYTES)
+            if total > margin_limit:
+                return Misfit("headroom", total, usable, margin=self.target.margin)
         host = self.host_need(setup, bd)
         ram = self.target.host_ram_bytes
         if ram is not None and host > ram * HOST_RAM_SHARE:

@@ -6,14 +6,12 @@ All the planner's prose is rendered here from typed values (:class:`~.verdicts.M
 
 from __future__ import annotations
 
-import dataclasses
-
-from .. import cost
 from ..specs import Alternative, GpuSpec, Note, Rejected
 from ..units import GiB
 from .core import Result
+from .geometry import DEFAULT_HOST_RAM_PER_GPU, Target
 from .labels import describe, duration, method_name, quality_label, savers_text, size
-from .rank import SPEED_TOLERANCE, front, quality
+from .rank import TIERS, front, much_faster_lower_tier, quality, residency, tier
 from .relax import Relaxation
 from .space import family_key
 from .verdicts import Candidate, Misfit
@@ -22,12 +20,27 @@ from .verdicts import Candidate, Misfit
 MAX_SAME_FAMILY_REJECTIONS = 4
 
 
+def sizes(a: float, b: float) -> tuple[str, str]:
+    """Two byte counts in words, with a second decimal when one would show them equal."""
+    sa, sb = size(a), size(b)
+    if sa == sb and a != b:
+        sa, sb = f"{a / GiB:.2f} GiB", f"{b / GiB:.2f} GiB"
+    return sa, sb
+
+
 def misfit_text(m: Misfit) -> str:
-    """Why a setup does not fit, in words ("needs 9.8 GiB > 4.3 GiB usable")."""
+    """Why a setup does not fit, in words ("needs 9.8 GiB > 4.3 GiB usable"); "needs X > Y" is
+    said only of a ``gpu`` misfit, where X > Y."""
     if m.kind == "gpu":
-        return f"needs {size(m.need_bytes)} > {size(m.limit_bytes)} usable"
+        need, limit = sizes(m.need_bytes, m.limit_bytes)
+        return f"needs {need} > {limit} usable"
     if m.kind == "error_band":
-        return f"needs {size(m.need_bytes)} of {size(m.limit_bytes)} usable, inside the ±{m.band:.0%} error band"
+        extra = f" and the {m.allowance / 2**20:.0f} MiB allocator allowance" if m.allowance else ""
+        return f"needs {size(m.need_bytes)} of {size(m.limit_bytes)} usable, inside the ±{m.band:.0%} error band{extra}"
+    if m.kind == "headroom":
+        return (f"needs {size(m.need_bytes)} of {size(m.limit_bytes)} usable, leaving "
+                f"{size(m.limit_bytes - m.need_bytes)} free, under the {m.margin:.0%} headroom kept "
+                f"({size(m.margin * m.limit_bytes)})")
     if m.kind == "host_ram":
         return f"offload needs {size(m.need_bytes)} of host RAM > {size(m.limit_bytes)} available"
     if m.kind == "lower_rank":
@@ -44,52 +57,70 @@ def summary(c: Candidate) -> str:
 # why not
 
 
+def _fits_text(c: Candidate, ev) -> str:
+    """A fitting candidate's savers, micro-batch, host RAM and speed, for a why-not line."""
+    host = ev.host_need(c.setup, c.breakdown)
+    return (f"{savers_text(c.setup)}, micro-batch {c.setup.batch}" + (f" ({size(host)} of host RAM)" if host else "")
+            + f", at {c.tokens_per_s:,.0f} tokens/s")
+
+
+def _rejection(setup, head: str, reason: str, misfit: Misfit | None, total: int, kind, usable: int) -> Rejected:
+    return Rejected(setup=setup, reason=f"{head}{reason}", device_total_bytes=total, kind=kind,
+                    limit_bytes=misfit.limit_bytes if misfit is not None else usable,
+                    misfit=misfit.kind if misfit is not None else None)
+
+
 def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
-    """Why-not lines: one per family of higher quality than the chosen (every family when nothing
-    fits), naming the memory it needs as it would run fastest; then the chosen family's faster
-    settings and the next micro-batch, which do not fit."""
+    """Why-not lines: one per family of a higher tier than the chosen (every family when nothing
+    fits), naming the memory it needs as it would run fastest and the real verdict of it; then
+    the chosen family's faster settings and the next micro-batch, which do not fit."""
     search = result.search
     ev = search.ev
-    q0 = quality(chosen.setup) if chosen else -1
+    t0 = tier(chosen.setup) if chosen else -1
     usable = search.target.gpu.usable_memory_bytes
-    best_of = {family_key(c.setup): c for c in result.bests}
+    bests_of: dict[tuple, list[Candidate]] = {}
+    for c in result.bests:
+        bests_of.setdefault(family_key(c.setup), []).append(c)
     lowest_of = {family_key(c.setup): c for c in result.floors}
     out: list[Rejected] = []
     for fam in sorted(result.families, key=lambda f: -quality(f)):
-        if quality(fam) <= q0:
+        if tier(fam) <= t0:
             continue
         key = family_key(fam)
-        fastest = max(search.space.savers(fam), key=ev.speed_bound)
+        fastest = max(search.space.savers(fam), key=ev.speed_bound, default=None)
+        if fastest is None:
+            continue
         plain = ev.judge(ev.at_micro(fastest, search.shape.micro_batches[0]))
-        if plain.breakdown is None:  # answered by a lower rank's failure: estimate it for the number
-            plain = dataclasses.replace(plain, breakdown=ev.estimate(plain.setup))
-        head = f"{method_name(fam)}: {misfit_text(Misfit('gpu', plain.device_total_bytes, usable))}"
-        if plain.fits or plain.device_total_bytes <= usable:
-            head = f"{method_name(fam)} ({savers_text(plain.setup)}): {misfit_text(plain.misfit) if plain.misfit else 'fits'}"
-        if key in best_of:
-            b = best_of[key]
-            host = ev.host_need(b.setup, b.breakdown)
-            reason = (f"{head}; fits with {savers_text(b.setup)}, micro-batch {b.setup.batch}"
-                      + (f" ({size(host)} of host RAM)" if host else "")
-                      + f", at {b.tokens_per_s:,.0f} tokens/s, too slow for its quality")
-            kind = "too_slow"
+        bd = plain.breakdown or ev.estimate(plain.setup)
+        misfit = plain.misfit if plain.breakdown is not None else ev.misfit(plain.setup, bd)
+        head = f"{method_name(fam)}: " + (f"{misfit_text(misfit)} as it runs fastest ({savers_text(plain.setup)})"
+                                          if misfit is not None else f"fits with {savers_text(plain.setup)}")
+        found = sorted(bests_of.get(key, []), key=lambda c: residency(c.setup))
+        if found:
+            b = found[0]
+            why = "CPU/NVMe offload" if residency(b.setup) == 2 else "a distributed engine on one GPU"
+            reason = f"; fits only with {_fits_text(b, ev)}: {why} is a last resort while a plan without it fits"
+            kind = "needs_offload"
         else:
             low = lowest_of.get(key)
-            reason = head
-            if low is not None and low.breakdown is not None and low.setup != plain.setup:
-                reason += f"; {size(low.device_total_bytes)} even with {savers_text(low.setup)}"
-                if low.host_ram_bound:
-                    reason += f" ({misfit_text(low.misfit)})"
+            reason = ""
             kind = "too_big"
-        out.append(Rejected(setup=plain.setup, reason=reason, device_total_bytes=plain.device_total_bytes, kind=kind))
+            if low is not None and low.breakdown is not None and low.setup != plain.setup:
+                reason = f"; {size(low.device_total_bytes)} even with {savers_text(low.setup)}"
+                if low.misfit is not None and low.misfit.kind != "gpu":
+                    reason += f" ({misfit_text(low.misfit)})"
+                if low.misfit is not None and low.misfit.tight:
+                    kind = "tight"
+        out.append(_rejection(plain.setup, head, reason, misfit, bd.device_total_bytes, kind, usable))
     if chosen is None:
         return tuple(out)
     # the chosen family's faster settings: other savers at the chosen micro-batch, the next micro-batch
     mbs = search.shape.micro_batches
-    i = mbs.index(chosen.setup.batch)
-    trials = [ev.at_micro(s, chosen.setup.batch) for s in search.space.savers(chosen.setup)]
-    if i + 1 < len(mbs):
-        trials.append(ev.at_micro(chosen.setup, mbs[i + 1]))
+    trials = [ev.at_micro(s, chosen.setup.batch) for s in search.space.savers(chosen.setup)
+              if residency(s) <= residency(chosen.setup)]
+    bigger = [m for m in mbs if m > chosen.setup.batch]
+    if bigger:
+        trials.append(ev.at_micro(chosen.setup, bigger[0]))
     same: list[Rejected] = []
     for s in sorted(trials, key=lambda s: -ev.step(s).tokens_per_s):
         if len(same) == MAX_SAME_FAMILY_REJECTIONS or ev.step(s).tokens_per_s <= chosen.tokens_per_s:
@@ -98,9 +129,11 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
         if c.fits:
             continue
         bd = c.breakdown or ev.estimate(s)
-        misfit = c.misfit if c.breakdown is not None else Misfit("gpu", bd.device_total_bytes, usable)
-        same.append(Rejected(setup=s, reason=f"{describe(s)}: {misfit_text(misfit)}",
-                             device_total_bytes=bd.device_total_bytes, kind="faster_setting"))
+        misfit = c.misfit if c.breakdown is not None else ev.misfit(s, bd)
+        if misfit is None:
+            continue
+        same.append(_rejection(s, f"{describe(s)}: ", misfit_text(misfit), misfit, bd.device_total_bytes,
+                               "faster_setting", usable))
     return tuple(out) + tuple(same)
 
 
@@ -119,8 +152,8 @@ def alternatives(result: Result, chosen: Candidate) -> tuple[Alternative, ...]:
         host = result.search.ev.host_need(c.setup, c.breakdown)
         if host:
             note += f", host RAM {size(host)}"
-        out.append(Alternative(setup=c.setup, device_total_bytes=c.device_total_bytes, tokens_per_s=round(c.tokens_per_s, 1),
-                               quality=quality_label(c.setup), note=note))
+        out.append(Alternative(setup=c.setup, device_total_bytes=c.device_total_bytes,
+                               tokens_per_s=round(c.tokens_per_s, 1), quality=quality_label(c.setup), note=note))
     return tuple(out)
 
 
@@ -128,10 +161,34 @@ def alternatives(result: Result, chosen: Candidate) -> tuple[Alternative, ...]:
 # notes
 
 
-def host_bound_error(c: Candidate) -> str:
+def host_bound_error(c: Candidate, target: Target) -> str:
     """The error when only host RAM stands in the way and the fixed knobs force the offload."""
-    return (f"nothing fits: {describe(c.setup)} fits the GPU but {misfit_text(c.misfit)}; "
-            "raise --host-ram or drop the fixed offload")
+    return (f"nothing fits: {describe(c.setup)} fits the GPU but {misfit_text(c.misfit)} "
+            f"({host_ram_source_text(target)}); raise --host-ram or drop the fixed offload")
+
+
+def host_ram_source_text(target: Target) -> str:
+    """Which host RAM a plan was checked against, in a phrase."""
+    ram = size(target.host_ram_bytes) if target.host_ram_bytes else "?"
+    nodes = " per node" if target.nodes > 1 else ""
+    src = target.host_ram_source
+    if src == "given":
+        return f"host RAM {ram}{nodes}, as given (--host-ram)"
+    if src == "local":
+        return f"host RAM {ram}: this machine's, which holds the {target.gpu.display_name}"
+    if src == "profile":
+        per = size(target.gpu.host_ram_per_gpu_bytes or 0)
+        each = f", {per} per GPU" if target.gpus // target.nodes > 1 else ""
+        return (f"host RAM {ram}{nodes}: a typical host{each} ({target.gpu.host_ram_note or 'GPU profile'}); "
+                "--host-ram to change it")
+    if src == "default":
+        return (f"host RAM {ram}{nodes}: {size(DEFAULT_HOST_RAM_PER_GPU)} per GPU assumed for a GPU given by its "
+                "memory; --host-ram to change it")
+    return "host RAM not checked"
+
+
+def host_ram_source_note(target: Target) -> Note:
+    return Note(f"checked against {host_ram_source_text(target)}", "host_ram_source")
 
 
 def no_fit_notes(floor: Candidate, host_only: Candidate | None) -> list[Note]:
@@ -168,37 +225,47 @@ def relaxation_note(r: Relaxation) -> Note:
 
 
 def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, biggest: int, batch_fixed: bool,
-              host_ram_checked: bool, dataset_tokens: int | None) -> list[Note]:
-    """The notes of a plan that fits, in order: tight, quality over speed, the largest micro-batch,
-    host RAM, flash-attn, the run's time, the speed model, then the estimate's own notes."""
+              dataset_tokens: int | None) -> list[Note]:
+    """The notes of a plan that fits, in order: tight, offload, a much faster lower tier, the
+    largest micro-batch, host RAM, flash-attn, the run's time, the speed model, then the
+    estimate's own notes."""
     ev = result.search.ev
+    target = result.search.target
     bd = chosen.breakdown
     notes: list[Note] = []
     if tight:
+        band_limit, margin_limit = ev.limits(bd)
         notes.append(Note(f"tight: needs {size(bd.device_total_bytes)} of {size(card.usable_memory_bytes)} usable; "
-                          f"within the ±{ev.band_of(bd):.0%} error band of the estimate the step may run out of memory",
-                          "tight"))
-    fastest = result.fastest()
-    if fastest and chosen.tokens_per_s < fastest:
-        quick = max(result.bests, key=lambda c: c.tokens_per_s)
-        notes.append(Note(f"chose {quality_label(chosen.setup)} over the {fastest / chosen.tokens_per_s - 1:.0%} "
-                          f"faster {quality_label(quick.setup)} for quality: it uses the card within "
-                          f"{SPEED_TOLERANCE:.0%} as well (tokens/s x FLOPs per token)", "quality"))
+                          f"no plan fits within the ±{ev.band_of(bd):.0%} error band of the estimate and the "
+                          f"{target.margin:.0%} headroom kept ({size(min(band_limit, margin_limit))}), so the step "
+                          "may run out of memory", "tight"))
+    if residency(chosen.setup) == 2 and not any(k in result.search.space.fixed for k in
+                                                 ("offload_optimizer", "offload_params")):
+        notes.append(Note("offload: no plan without CPU/NVMe offload fits at any quality tier", "offload"))
+    quick = much_faster_lower_tier(result.bests, chosen)
+    if quick is not None:
+        notes.append(Note(f"{quality_label(quick.setup)} ({TIERS[tier(quick.setup)]}) would be "
+                          f"{quick.tokens_per_s / chosen.tokens_per_s - 1:.0%} faster "
+                          f"({quick.tokens_per_s:,.0f} tokens/s, {savers_text(quick.setup)}); kept "
+                          f"{TIERS[tier(chosen.setup)]}, the better quality tier that fits", "lower_tier_faster"))
     text = f"largest micro-batch that fits this setup: {biggest}"
-    if biggest > chosen.setup.batch and batch_fixed:
-        text += f" (the global batch allows {chosen.setup.batch})"
+    if biggest > chosen.setup.batch:
+        text += (f" (the global batch allows {chosen.setup.batch})" if batch_fixed
+                 else f" (at most {result.search.shape.micro_batches[-1]} are tried)")
     notes.append(Note(text, "micro_batch"))
-    if "cpu" in (chosen.setup.offload_optimizer, chosen.setup.offload_params):
-        need = ev.host_need(chosen.setup, bd)
-        notes.append(Note(f"CPU offload needs {size(need)} of host RAM per node"
-                          + ("" if host_ram_checked else " (not checked: pass host_ram / --host-ram)"), "host_ram"))
+    need = ev.host_need(chosen.setup, bd)
+    if need:
+        notes.append(Note(f"CPU offload needs {size(need)} of host RAM per node", "host_ram"))
+    notes.append(host_ram_source_note(target))
     if chosen.setup.attn == "flash":
         notes.append(Note("attn flash needs the flash-attn package (FlashAttention-2)", "flash_attn"))
     if dataset_tokens:
         secs = dataset_tokens / chosen.tokens_per_s
-        notes.append(Note(f"{dataset_tokens:,} tokens take about {duration(secs)} at {chosen.tokens_per_s:,.0f} tokens/s",
+        notes.append(Note(f"{dataset_tokens:,} tokens take about {duration(secs)} at "
+                          f"{chosen.tokens_per_s:,.0f} tokens/s",
                           "duration"))
-    notes.append(Note(f"speed: first-order cost model (vramplan.cost: {cost.MFU:.0%} MFU of the card's dense TFLOP/s, "
-                      "offload and communication over its links); memory: the analytic estimate", "speed_model"))
+    notes.append(Note("speed: first-order cost model (vramplan.cost: the card's dense TFLOP/s at a modelled "
+                      "utilisation, offload and communication over its links); memory: the analytic estimate",
+                      "speed_model"))
     notes += [Note(n, "estimate") for n in bd.notes if n not in notes]
     return notes

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
+from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
 from ..specs import GpuSpec, SpecError
+
+#: Share of the card's usable memory a plan leaves free by default (``--margin``): room for what no
+#: estimate sees (fragmentation over a long run, a longer batch than planned, a library upgrade).
+DEFAULT_MARGIN = 0.10
+#: Where the host RAM a plan is checked against comes from: ``given`` (--host-ram), ``local``
+#: (this machine, which holds the GPU planned for), ``profile`` (the GPU profile's typical host),
+#: ``default`` (a GPU given only by its memory: :data:`DEFAULT_HOST_RAM_PER_GPU` per GPU),
+#: ``unchecked`` (only a "what would fit" relaxation asks for this).
+HostRamSource = Literal["given", "local", "profile", "default", "unchecked"]
+#: Host RAM per GPU assumed for a GPU given only by its memory (``--gpu-memory``): a modest desktop.
+DEFAULT_HOST_RAM_PER_GPU = 32 * 2**30
 
 #: Without a global batch the micro-batch is free up to this many sequences and tokens.
 MAX_FREE_MICRO_BATCH = 64
@@ -14,13 +28,18 @@ MAX_FREE_MICRO_TOKENS = 65536
 
 @dataclass(frozen=True)
 class Target:
-    """What the plan must fit: a GPU (``gpus`` of them over ``nodes``), host RAM, NVMe."""
+    """What the plan must fit: a GPU (``gpus`` of them over ``nodes``), host RAM per node (and
+    where that number comes from), NVMe, and the share of usable memory to leave free."""
 
     gpu: GpuSpec
     gpus: int = 1
     nodes: int = 1
-    host_ram_bytes: int | None = None  # None: not checked
+    host_ram_bytes: int | None = None  # per node; None: not checked
     nvme: bool = False
+    margin: float = DEFAULT_MARGIN
+    host_ram_source: HostRamSource = "given"
+    #: the device terms every estimate of the search uses (the commands pass the calibrated ones)
+    corrections: Corrections = DEFAULT_CORRECTIONS
 
     def __post_init__(self) -> None:
         for name in ("gpus", "nodes"):
@@ -31,6 +50,27 @@ class Target:
             raise SpecError(f"{self.gpus} GPUs cannot be split evenly over {self.nodes} nodes")
         if self.host_ram_bytes is not None and self.host_ram_bytes <= 0:
             raise SpecError(f"host RAM must be positive; got {self.host_ram_bytes}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 0.9:
+            raise SpecError(f"margin must be a share of usable memory in [0, 0.9); got {self.margin!r}")
+
+
+def typical_host_ram(gpu: GpuSpec, gpus: int, nodes: int) -> tuple[int, HostRamSource]:
+    """Host RAM per node of a typical host for ``gpu``: the profile's per-GPU figure times the
+    GPUs per node (``profile``), else :data:`DEFAULT_HOST_RAM_PER_GPU` per GPU (``default``)."""
+    per_node = max(gpus // max(nodes, 1), 1)
+    if gpu.host_ram_per_gpu_bytes:
+        return gpu.host_ram_per_gpu_bytes * per_node, "profile"
+    return DEFAULT_HOST_RAM_PER_GPU * per_node, "default"
+
+
+def retarget(target: Target, **changes) -> Target:
+    """``target`` with ``changes`` (another card, more GPUs); a host RAM that was the typical host's
+    follows the new card and GPU count, one given or read from this machine stays."""
+    new = dataclasses.replace(target, **changes)
+    if target.host_ram_source in ("profile", "default") and "host_ram_bytes" not in changes:
+        ram, source = typical_host_ram(new.gpu, new.gpus, new.nodes)
+        new = dataclasses.replace(new, host_ram_bytes=ram, host_ram_source=source)
+    return new
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ def savers_text(setup: Setup) -> str:
         parts.append(f"ZeRO-{setup.zero_stage}")
     if setup.fsdp != "none":
         parts.append(f"FSDP {setup.fsdp.upper()}")
-    offloaded = [w for w, v in (("optimizer", setup.offload_optimizer), ("params", setup.offload_params)) if v != "none"]
+    offloaded = [w for w, v in (("optimizer", setup.offload_optimizer), ("params", setup.offload_params))
+                 if v != "none"]
     if offloaded:
         kind = setup.offload_params if setup.offload_params != "none" else setup.offload_optimizer
         parts.append(f"{kind.upper() if kind == 'nvme' else 'CPU'} offload of {' and '.join(offloaded)}")

@@ -1,30 +1,37 @@
-"""``plan()``: the inputs checked, the search run (again without the margin when nothing fits
-with it, and under relaxed targets when nothing fits at all), and the :class:`~vramplan.specs.Plan`
-assembled from what it found."""
+"""``plan()``: the inputs checked, the host RAM resolved, the search run (again without the
+margins when nothing fits with them, and under relaxed targets when nothing fits at all), and
+the :class:`~vramplan.specs.Plan` assembled from what it found."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
 from ..inputs import resolve_gpu
 from ..specs import GpuSpec, ModelSpec, Plan, SpecError
 from . import explain
 from .core import Search
-from .geometry import Target, batch_shape, global_batch_of
+from .geometry import DEFAULT_MARGIN, HostRamSource, Target, batch_shape, global_batch_of, typical_host_ram
 from .relax import what_would
-from .space import check_fixed
+from .space import check_fixed, rank_choices
 
 
 def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nodes: int = 1,
          host_ram: int | str | None = None, nvme: bool = False, seq: int = 2048, global_batch: int | None = None,
          tokens_per_step: int | None = None, dataset_tokens: int | None = None, error_band: float | None = None,
-         relax: bool = True, **fixed: Any) -> Plan:
-    """The fastest Setup of ``model`` that fits ``gpu`` (see :mod:`vramplan.search` for how).
+         margin: float = DEFAULT_MARGIN, relax: bool = True, corrections: Corrections | None = None,
+         **fixed: Any) -> Plan:
+    """The setup of ``model`` an expert would run on ``gpu`` (see :mod:`vramplan.search` for how).
 
     ``fixed`` pins Setup knobs (``method="lora"``, ``lora_rank=64``, ``quant="none"``,
     ``checkpointing=False``, ``zero_stage=3``, ``batch=4``...); every other knob is searched.
-    ``host_ram`` (bytes or "64GiB") bounds CPU offload per node; ``nvme`` allows NVMe offload.
-    When nothing fits, the Plan has ``fits`` False and notes saying what would (``relax``).
+    ``lora_rank`` may be a range, ``(8, 64)`` or ``"8..64"``: the search picks inside it; unset, the
+    rank is 16. ``host_ram`` (bytes or "64GiB", per node) bounds CPU offload; None: this
+    machine's RAM when it holds ``gpu``, else the GPU profile's typical host. ``margin``: the share
+    of usable memory left free. ``corrections``: the device terms every estimate uses (the
+    commands pass the calibrated ones, ``estimator.corrections.calibration_for``; None: the
+    published defaults, the raw model). ``nvme`` allows NVMe offload. When nothing fits, the Plan has
+    ``fits`` False and notes saying what would (``relax``).
     """
     spec = _resolve_model(model)
     card = _resolve_gpu(gpu)
@@ -40,24 +47,39 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
         raise SpecError(f"dataset_tokens must be a positive integer; got {dataset_tokens!r}")
     if error_band is not None and not 0 <= error_band < 1:
         raise SpecError(f"error_band must be in [0, 1); got {error_band!r}")
-    target = Target(card, gpus, nodes, host_ram, nvme)
     fixed = {k: v for k, v in fixed.items() if v is not None}
+    ranks = None
+    if "lora_rank" in fixed:
+        ranks = parse_rank(fixed.pop("lora_rank"))
+        if len(ranks) == 1:
+            fixed["lora_rank"] = ranks[0]
+    Target(card, gpus, nodes, host_ram if isinstance(host_ram, int) else None, nvme, margin)  # checks the numbers
+    ram, source = host_ram_for(card, gpus, nodes, host_ram)
+    target = Target(card, gpus, nodes, ram, nvme, margin, source, corrections or DEFAULT_CORRECTIONS)
     check_fixed(spec, {k: v for k, v in fixed.items() if k not in ("batch", "grad_accum")}, gpus, seq)
+    if ranks is not None and len(ranks) > 1:
+        check_fixed(spec, {**{k: v for k, v in fixed.items() if k not in ("batch", "grad_accum")},
+                           "lora_rank": ranks[-1]}, gpus, seq)
     shape = batch_shape(seq, gpus, global_batch, tokens_per_step, fixed.get("batch"), fixed.get("grad_accum"))
-    search = Search(spec, target, shape, fixed, error_band)
+    search = Search(spec, target, shape, fixed, error_band, ranks=ranks)
     result = search.run()
     chosen = result.choose()
     tight = False
     if chosen is None:
-        loose_result = Search(spec, target, shape, fixed, error_band, margin=False).run()
-        if loose_result.choose() is not None:
-            result, chosen, tight = loose_result, loose_result.choose(), True
+        loose_result = Search(spec, target, shape, fixed, error_band, strict=False, ranks=ranks).run()
+        loose = loose_result.choose()
+        if loose is not None:
+            result, chosen, tight = loose_result, loose, True
+    host = {"host_ram_bytes": ram, "host_ram_source": source}
     if chosen is None:
         # report the smallest setup that fails on the GPU itself, so the plan's own fit is False
         judged = [c for c in result.search.ev.failures if c.breakdown is not None]
         on_gpu = [c for c in judged if not c.breakdown.fits]
+        if not judged:  # every setup the fixed knobs leave is excluded before it is estimated
+            raise SpecError("no setup the search can try satisfies the fixed options together; "
+                            "drop one of them (see `vramplan plan --help`)")
         if not on_gpu:  # only host RAM stands in the way, and the fixed knobs force the offload
-            raise SpecError(explain.host_bound_error(min(judged, key=lambda c: c.device_total_bytes)))
+            raise SpecError(explain.host_bound_error(min(judged, key=lambda c: c.device_total_bytes), target))
         floor = min(on_gpu, key=lambda c: c.device_total_bytes)
         host_only = [c for c in judged if c.breakdown.fits and c.host_ram_bound]
         notes = explain.no_fit_notes(floor, min(host_only, key=lambda c: c.device_total_bytes) if host_only else None)
@@ -65,20 +87,66 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
             gpu_floor = result.gpu_floor()
             relaxed = what_would(spec, target, shape, fixed, error_band,
                                  global_batch_of(seq, gpus, global_batch, tokens_per_step),
-                                 0 if gpu_floor is None else gpu_floor)
+                                 0 if gpu_floor is None else gpu_floor, ranks)
             notes += [explain.relaxation_note(r) for r in relaxed]
+        notes.append(explain.host_ram_source_note(target))
         return Plan(model=spec.name, setup=floor.setup, breakdown=floor.breakdown, gpu=card, nodes=nodes,
                     step_time_s=round(floor.step.step_s, 4), tokens_per_s=round(floor.tokens_per_s, 1),
-                    alternatives=(), rejected=explain.rejected(result, None), notes=tuple(notes))
+                    alternatives=(), rejected=explain.rejected(result, None), notes=tuple(notes), **host)
 
     notes = explain.fit_notes(result, chosen, tight=tight, card=card,
                               biggest=result.search.biggest_micro_batch(chosen.setup),
                               batch_fixed=shape.per_gpu is not None or "batch" in fixed,
-                              host_ram_checked=host_ram is not None, dataset_tokens=dataset_tokens)
+                              dataset_tokens=dataset_tokens)
     return Plan(model=spec.name, setup=chosen.setup, breakdown=chosen.breakdown, gpu=card, nodes=nodes,
                 step_time_s=round(chosen.step.step_s, 4), tokens_per_s=round(chosen.tokens_per_s, 1),
                 alternatives=explain.alternatives(result, chosen), rejected=explain.rejected(result, chosen),
-                notes=tuple(notes))
+                notes=tuple(notes), **host)
+
+
+def parse_rank(value: Any) -> tuple[int, ...]:
+    """``16`` -> (16,); ``(8, 64)`` or ``"8..64"`` -> the ranks searched in that range."""
+    if isinstance(value, str):
+        text = value.strip()
+        lo_text, sep, hi_text = text.partition("..")
+        try:
+            value = (int(lo_text), int(hi_text)) if sep else int(text)
+        except ValueError:
+            raise SpecError("lora_rank must be a positive integer or a range LO..HI such as 8..64; "
+                            f"got {text!r}") from None
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        lo, hi = value
+        for v in (lo, hi):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SpecError(f"lora_rank must be a positive integer; got {v!r}")
+        if lo > hi:
+            raise SpecError(f"lora_rank range {lo}..{hi} is empty; write LO..HI with LO <= HI")
+        return rank_choices(lo, hi)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"lora_rank must be a positive integer; got {value!r}")
+    return (value,)
+
+
+def host_ram_for(card: GpuSpec, gpus: int, nodes: int, given: int | None) -> tuple[int, HostRamSource]:
+    """Host RAM per node a plan is checked against, and where it comes from: ``given``; else this
+    machine's RAM when it holds the card planned for (and one node is planned); else the profile's
+    typical host (:func:`~.geometry.typical_host_ram`)."""
+    if given is not None:
+        return given, "given"
+    if nodes == 1:
+        from ..machine import local_gpu_names, local_ram_bytes
+        from ..profiles import load_gpu
+
+        here = []
+        for name in local_gpu_names():
+            try:
+                here.append(load_gpu(name).name)
+            except SpecError:
+                continue
+        ram = local_ram_bytes() if card.name in here else None
+        if ram:
+            return ram, "local"
+    return typical_host_ram(card, gpus, nodes)
 
 
 def _resolve_model(model: ModelSpec | str) -> ModelSpec:

@@ -1,61 +1,111 @@
 """The objective: which fitting candidate a plan chooses, and which others it lists.
 
-**Ranking**: the highest useful rate (tokens/s x FLOPs per token) wins, except that among
-candidates within :data:`SPEED_TOLERANCE` of the best the highest :func:`quality` wins; equal
-quality falls back to tokens/s, then to less memory. **Alternatives**: the Pareto front over
-(memory, tokens/s, quality), at most :data:`MAX_PER_METHOD` per method and
-:data:`MAX_ALTERNATIVES` in all. A new objective is a new ``choose`` (and ``front``) here.
+**Choice**, in this order (each step keeps the candidates that are best at it):
+
+1. **GPU-resident first** (:func:`residency`): a plan without CPU/NVMe offload, and on one GPU
+   without a distributed engine (DeepSpeed, FSDP), wins whenever one fits at any tier; offload is
+   a last resort (unless the user fixed it, when every candidate offloads).
+2. **Quality tier** (:func:`tier`): full > LoRA on a 16-bit base > LoRA on an 8-bit base > QLoRA
+   (a 4-bit base). LoRA rank is not part of it: the rank is the user's (``--lora-rank``, default
+   16); a range lets the search pick inside it by speed alone.
+3. **Least time**: the most tokens/s (the user's tokens in the least time); equal speed falls
+   back to the higher rank, then to less memory.
+
+Tight plans (inside the margins) are never in the same choice as non-tight ones: the planner
+searches with the margins first and without them only when nothing fits (``planner.py``).
+**Alternatives**: the Pareto front over (memory, tokens/s, quality, residency), at most
+:data:`MAX_PER_METHOD` per method and :data:`MAX_ALTERNATIVES` in all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..specs import Setup
 from .verdicts import Candidate
 
-#: Plans within this fraction of the fastest count as equally fast; quality breaks the tie.
-SPEED_TOLERANCE = 0.10
 #: How many alternatives the plan lists, and at most how many of one method (base included).
 MAX_ALTERNATIVES = 8
 MAX_PER_METHOD = 3
+#: A plan of a lower tier this much faster than the chosen one is named in a note (never chosen).
+MUCH_FASTER = 0.25
+
+#: Quality tiers, best first: what each tier number means.
+TIERS = {3: "full fine-tuning", 2: "LoRA on a 16-bit base", 1: "LoRA on an 8-bit base", 0: "QLoRA (a 4-bit base)"}
+
+
+def tier(setup: Setup) -> int:
+    """The quality tier of a setup's method (:data:`TIERS`): 3 full, 2 LoRA on a 16-bit base,
+    1 LoRA on an 8-bit base (LLM.int8, 8-bit GPTQ), 0 a 4-bit or smaller base (QLoRA, GPTQ, AWQ)."""
+    if setup.method == "full":
+        return 3
+    if setup.quant == "none":
+        return 2
+    if setup.quant == "int8" or (setup.quant == "gptq" and setup.quant_bits == 8):
+        return 1
+    return 0
 
 
 def quality(setup: Setup) -> int:
-    """Ordinal quality of a method: full > LoRA (higher rank first) > LoRA on an int8 base > QLoRA."""
-    if setup.method == "full":
-        return 1000
-    r = min(setup.lora_rank, 256)
-    if setup.quant == "none":
-        return 600 + r
-    if setup.quant == "int8" or (setup.quant == "gptq" and setup.quant_bits == 8):
-        return 300 + r
-    return r
+    """An ordinal for the Pareto front: the tier, then the LoRA rank within it."""
+    return tier(setup) * 1000 + (0 if setup.method == "full" else min(setup.lora_rank, 999))
 
 
-def choose(bests: Sequence[Candidate], useful_rate: Callable[[Candidate], float]) -> Candidate | None:
-    """The candidate a plan picks among the families' fastest fitting ones (None: none fits)."""
-    if not bests:
-        return None
-    best_rate = max(useful_rate(c) for c in bests)
-    close = [c for c in bests if useful_rate(c) >= (1 - SPEED_TOLERANCE) * best_rate]
-    return max(close, key=lambda c: (quality(c.setup), c.tokens_per_s, -c.device_total_bytes))
+def offloads(setup: Setup) -> bool:
+    return setup.offload_optimizer != "none" or setup.offload_params != "none"
+
+
+def engine(setup: Setup) -> bool:
+    """A distributed engine runs the step (DeepSpeed ZeRO or PyTorch FSDP)."""
+    return setup.zero_stage > 0 or setup.fsdp != "none"
+
+
+def residency(setup: Setup) -> int:
+    """0: GPU-resident (no offload; on one GPU no distributed engine), 1: a distributed engine on
+    one GPU without offload, 2: CPU/NVMe offload. Lower is preferred."""
+    if offloads(setup):
+        return 2
+    return 1 if setup.gpus == 1 and engine(setup) else 0
+
+
+def order(c: Candidate) -> tuple:
+    """Sort key of the choice, best last: residency, tier, tokens/s, rank, less memory."""
+    return (-residency(c.setup), tier(c.setup), c.tokens_per_s, c.setup.lora_rank if c.setup.adapters else 0,
+            -c.device_total_bytes)
+
+
+def choose(bests: Sequence[Candidate]) -> Candidate | None:
+    """The candidate a plan picks among the fitting ones (None: none fits)."""
+    return max(bests, key=order) if bests else None
+
+
+def much_faster_lower_tier(bests: Sequence[Candidate], chosen: Candidate) -> Candidate | None:
+    """The fastest candidate of a lower tier and no worse residency, when it is
+    :data:`MUCH_FASTER` faster than ``chosen`` (a note names it; it is not chosen)."""
+    lower = [c for c in bests if tier(c.setup) < tier(chosen.setup)
+             and residency(c.setup) <= residency(chosen.setup)]
+    quick = max(lower, key=lambda c: c.tokens_per_s, default=None)
+    if quick is not None and quick.tokens_per_s >= (1 + MUCH_FASTER) * chosen.tokens_per_s:
+        return quick
+    return None
 
 
 def front(bests: Sequence[Candidate], chosen: Candidate) -> list[Candidate]:
     """The alternatives to ``chosen``: the Pareto front of ``bests`` over (memory, tokens/s,
-    quality), ``chosen`` excluded, fastest first."""
+    quality, residency), ``chosen`` excluded, fastest first."""
     pts = [c for c in bests if c is not chosen]
 
+    def key(c: Candidate) -> tuple:
+        # larger is better in every coordinate
+        return (-c.device_total_bytes, c.tokens_per_s, quality(c.setup), -residency(c.setup))
+
     def dominated(a: Candidate) -> bool:
+        ka = key(a)
         for b in bests:
             if b is a:
                 continue
-            no_worse = (b.device_total_bytes <= a.device_total_bytes and b.tokens_per_s >= a.tokens_per_s
-                        and quality(b.setup) >= quality(a.setup))
-            better = (b.device_total_bytes < a.device_total_bytes or b.tokens_per_s > a.tokens_per_s
-                      or quality(b.setup) > quality(a.setup))
-            if no_worse and better:
+            kb = key(b)
+            if all(x >= y for x, y in zip(kb, ka, strict=True)) and kb != ka:
                 return True
         return False
 

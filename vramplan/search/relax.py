@@ -13,7 +13,7 @@ from typing import Any, Literal
 from ..specs import GpuSpec, ModelSpec, SpecError
 from .core import Search
 from .evaluate import HOST_RAM_SHARE, Evaluator
-from .geometry import BatchShape, Target, batch_shape
+from .geometry import BatchShape, Target, batch_shape, retarget
 from .verdicts import Candidate
 
 #: The relaxed target a line is about; ``nothing``: none of them fits.
@@ -42,11 +42,11 @@ class Relaxation:
 
 
 def fit_and_floor(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any],
-                  band: float | None) -> tuple[Candidate | None, float]:
+                  band: float | None, ranks: tuple[int, ...] | None = None) -> tuple[Candidate | None, float]:
     """The chosen candidate under a relaxed target (None if nothing fits), and the least GPU memory
     any setup there needs (host-RAM failures aside; infinite when nothing was estimated)."""
     try:
-        result = Search(spec, target, shape, fixed, band).run()
+        result = Search(spec, target, shape, fixed, band, ranks=ranks).run()
     except SpecError:
         return None, math.inf
     floor = result.gpu_floor()
@@ -54,13 +54,13 @@ def fit_and_floor(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dic
 
 
 def first_fit(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any],
-              band: float | None) -> Candidate | None:
+              band: float | None, ranks: tuple[int, ...] | None = None) -> Candidate | None:
     """The candidate a plan would choose under ``target`` (None if nothing fits)."""
-    return fit_and_floor(spec, target, shape, fixed, band)[0]
+    return fit_and_floor(spec, target, shape, fixed, band, ranks)[0]
 
 
 def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any], band: float | None,
-               global_batch: int | None, gpu_floor: float) -> list[Relaxation]:
+               global_batch: int | None, gpu_floor: float, ranks: tuple[int, ...] | None = None) -> list[Relaxation]:
     """Re-run the search under relaxed constraints and say what would fit.
 
     ``global_batch``: the global batch in sequences (None: free); ``gpu_floor``: the least GPU
@@ -80,8 +80,8 @@ def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[s
         except SpecError:
             continue
         nodes = target.nodes if n % target.nodes == 0 else 1
-        c, floors[n] = fit_and_floor(spec, dataclasses.replace(target, gpus=n, nodes=nodes), s,
-                                     {k: v for k, v in fixed.items() if k != "grad_accum"}, band)
+        c, floors[n] = fit_and_floor(spec, retarget(target, gpus=n, nodes=nodes), s,
+                                     {k: v for k, v in fixed.items() if k != "grad_accum"}, band, ranks)
         if c is not None:
             out.append(Relaxation("more_gpus", c, gpu=target.gpu, gpus=n))
             break
@@ -95,7 +95,7 @@ def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[s
         # skip cards below the floor (10 % slack: the device overheads may differ per card)
         if card.usable_memory_bytes <= max(target.gpu.usable_memory_bytes, 0.9 * gpu_floor):
             continue
-        c = first_fit(spec, dataclasses.replace(target, gpu=card), shape, fixed, band)
+        c = first_fit(spec, retarget(target, gpu=card), shape, fixed, band, ranks)
         if c is not None:
             out.append(Relaxation("bigger_card", c, gpu=card))
             break
@@ -106,24 +106,26 @@ def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[s
             s = batch_shape(short, target.gpus, gb, None, fixed.get("batch"), fixed.get("grad_accum"))
         except SpecError:
             break
-        c = first_fit(spec, target, s, fixed, band)
+        c = first_fit(spec, target, s, fixed, band, ranks)
         if c is not None:
             out.append(Relaxation("shorter_seq", c, seq=short))
             break
         short //= 2
     # offload the knobs the target ruled out
     if not target.nvme:
-        c = first_fit(spec, dataclasses.replace(target, nvme=True), shape, fixed, band)
+        c = first_fit(spec, dataclasses.replace(target, nvme=True), shape, fixed, band, ranks)
         if c is not None:
             out.append(Relaxation("nvme", c))
     if target.host_ram_bytes is not None:
-        c = first_fit(spec, dataclasses.replace(target, host_ram_bytes=None), shape, fixed, band)
+        c = first_fit(spec, dataclasses.replace(target, host_ram_bytes=None, host_ram_source="unchecked"), shape,
+                      fixed, band, ranks)
         if c is not None:
             need = Evaluator(spec, target, shape, band).host_need(c.setup, c.breakdown)
             out.append(Relaxation("host_ram", c, host_ram_bytes=need / HOST_RAM_SHARE))
     pinned = tuple(k for k in fixed if k not in NOT_PINNING)
     if pinned:
-        c = first_fit(spec, target, shape, {k: v for k, v in fixed.items() if k not in pinned}, band)
+        c = first_fit(spec, target, shape, {k: v for k, v in fixed.items() if k not in pinned}, band,
+                      None if "lora_rank" in pinned else ranks)
         if c is not None:
             out.append(Relaxation("unpinned", c, unpinned=pinned))
     if not out:

@@ -9,12 +9,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..setup_checks import check, fsdp_lora_crashes
+from ..compat import known_failures, runs
+from ..setup_checks import check
 from ..specs import ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
 
-#: LoRA ranks the search tries when the rank is free.
+#: LoRA ranks a ``--lora-rank LO..HI`` range is searched at (with LO and HI themselves).
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
+#: The LoRA rank when the user names none: the rank is a quality setting the user owns, never
+#: raised by the search to use the card (16: peft's examples, torchtune's and axolotl's LoRA recipes
+#: use 8-64).
+DEFAULT_LORA_RANK = 16
+
+
+def rank_choices(lo: int, hi: int) -> tuple[int, ...]:
+    """The ranks a range ``lo..hi`` is searched at: its ends and the :data:`LORA_RANKS` between."""
+    return tuple(sorted({lo, hi} | {r for r in LORA_RANKS if lo < r < hi}))
 
 #: Setup fields a user may fix; everything else of Setup is fixed by the target or the batch.
 FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quant", "double_quant",
@@ -25,12 +35,14 @@ FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", 
 
 @dataclass(frozen=True)
 class Space:
-    """The setups one search may visit: the model, the target, the batch shape, the fixed knobs."""
+    """The setups one search may visit: the model, the target, the batch shape, the fixed knobs,
+    and the LoRA ranks (None: the fixed ``lora_rank``, else :data:`DEFAULT_LORA_RANK`)."""
 
     model: ModelSpec
     target: Target
     shape: BatchShape
     fixed: dict[str, Any]
+    ranks: tuple[int, ...] | None = None
 
     def choices(self, name: str, default: Iterable[Any]) -> tuple[Any, ...]:
         """The values of knob ``name`` to try: the fixed one, or ``default``."""
@@ -54,7 +66,7 @@ class Space:
         gpu = self.target.gpu
         out = []
         for method, quant in combos:
-            ranks = (16,) if method == "full" else self.choices("lora_rank", LORA_RANKS)
+            ranks = (16,) if method == "full" else self.ranks or self.choices("lora_rank", (DEFAULT_LORA_RANK,))
             if method == "full":
                 precision = self.choices("precision", ("bf16",) if gpu.bf16 else ("fp16-mixed",))
             else:
@@ -62,7 +74,8 @@ class Space:
             for r in ranks:
                 for p in precision:
                     values = {k: v for k, v in f.items() if k not in ("batch", "grad_accum")}
-                    values.update(method=method, quant=quant, lora_rank=r if method != "full" else f.get("lora_rank", 16),
+                    values.update(method=method, quant=quant,
+                                  lora_rank=r if method != "full" else f.get("lora_rank", 16),
                                   precision=p, seq=self.shape.seq, gpus=self.target.gpus)
                     try:
                         s = Setup(**values)
@@ -81,11 +94,13 @@ class Space:
         offl = ("cpu", "nvme") if self.target.nvme else ("cpu",)
         fsdp = [(0, "none", "none", m) for m in ("full_shard", "shard_grad_op")] + [(0, "cpu", "cpu", "full_shard")]
         if any(k in f for k in ("zero_stage", "offload_optimizer", "offload_params", "fsdp")):
-            allowed = [(z, o, p, "none") for z in (0, 1, 2, 3) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
+            allowed = [(z, o, p, "none") for z in (0, 1, 2, 3) for o in ("none", "cpu", "nvme")
+                       for p in ("none", "cpu", "nvme")]
             if n > 1 or "fsdp" in f:
                 allowed += [(0, o, o, m) for m in ("full_shard", "shard_grad_op", "no_shard") for o in ("none", "cpu")]
         elif n == 1:
-            allowed = [(0, "none", "none", "none")] + [(2, o, "none", "none") for o in offl] + [(3, o, o, "none") for o in offl]
+            allowed = ([(0, "none", "none", "none")] + [(2, o, "none", "none") for o in offl]
+                       + [(3, o, o, "none") for o in offl])
         else:
             allowed = [(z, "none", "none", "none") for z in (0, 1, 2, 3)]
             allowed += [(2, o, "none", "none") for o in offl] + [(3, o, "none", "none") for o in offl]
@@ -109,9 +124,12 @@ class Space:
             attns = ("auto", "flash")  # FlashAttention-2 keeps no s x s scores (needs Ampere+)
         out = []
         for z, o, p, m in self.placements():
+            # DeepSpeed's optimizer offload runs its own CPU Adam; FSDP's CPU offload steps any torch
+            # optimizer on the host (its shards live there), so only ZeRO offload restricts the optimizer
+            deepspeed_offload = o != "none" and m == "none"
             optimizers = ("adamw-fused",) if o != "none" else ("adamw-fused", "adamw-8bit")
             for opt in self.choices("optimizer", optimizers):
-                if o != "none" and opt not in ("adamw", "adamw-fused"):
+                if deepspeed_offload and opt not in ("adamw", "adamw-fused"):
                     continue
                 for ck in self.choices("checkpointing", (False, True)):
                     for attn in self.choices("attn", attns):
@@ -120,8 +138,8 @@ class Space:
                                                optimizer=opt, checkpointing=ck, attn=attn)
                         except SpecError:
                             continue
-                        if "fsdp" not in self.fixed and fsdp_lora_crashes(self.model, s):
-                            continue  # torch 2.13's FSDP1 fails on it (setup_checks.py)
+                        if not runs(s, self.model):
+                            continue  # known not to run with the pinned libraries (vramplan.compat)
                         out.append(s)
         return out
 
@@ -138,12 +156,16 @@ def check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int, seq: int) ->
         probe.setdefault("zero_stage", 3)
     if probe.get("offload_optimizer", "none") != "none" and probe.get("fsdp", "none") == "none":
         probe.setdefault("zero_stage", 2)
-    if probe.get("offload_optimizer", "none") != "none" and probe.get("optimizer", "adamw") not in ("adamw", "adamw-fused"):
+    if (probe.get("offload_optimizer", "none") != "none"
+            and probe.get("optimizer", "adamw") not in ("adamw", "adamw-fused")):
         raise SpecError(f"--optimizer {probe['optimizer']} cannot be offloaded: DeepSpeed's offload runs its own "
                         "CPU Adam; use --optimizer adamw-fused or drop --offload-optimizer")
     if probe.get("method") == "qlora" and probe.get("quant") == "none":
         raise SpecError("qlora means a 4-bit base; drop --no-quant or use --method lora")
     setup = Setup(**probe, gpus=gpus, seq=seq)
+    hits = known_failures(setup, model)
+    if hits:
+        raise SpecError(f"the fixed options do not run: {hits[0].message()}")
     if any(k in fixed for k in ("lora_rank", "lora_targets")) and fixed.get("method") != "full":
         check(model, setup.replace(method="lora") if setup.method == "full" else setup)
 

@@ -15,18 +15,22 @@ from .. import cost
 from ..specs import Breakdown, Setup
 
 #: ``gpu``: the device total is over the GPU's usable memory; ``error_band``: it is under it but
-#: not by the estimate's error band; ``host_ram``: it fits the GPU but the offloaded state is over
-#: the host RAM available; ``lower_rank``: known without an estimate, a lower LoRA rank fails.
-MisfitKind = Literal["gpu", "error_band", "host_ram", "lower_rank"]
+#: the high end of the estimate's error band plus the allocator allowance is not; ``headroom``: it
+#: leaves less free than the margin kept (``--margin``); ``host_ram``: it fits the GPU but the
+#: offloaded state is over the host RAM available; ``lower_rank``: known without an estimate, a
+#: lower LoRA rank fails.
+MisfitKind = Literal["gpu", "error_band", "headroom", "host_ram", "lower_rank"]
 
 
 @dataclass(frozen=True)
 class Misfit:
     """Why a setup does not fit, with the numbers a line about it names.
 
-    ``need_bytes``/``limit_bytes``: device total and usable GPU memory (``gpu``, ``error_band``),
-    or the host RAM the offload needs and the share of host RAM available (``host_ram``).
-    ``band``: the error band (``error_band``); ``rank``: the lowest rank known to fail (``lower_rank``).
+    ``need_bytes``/``limit_bytes``: device total and usable GPU memory (``gpu``, ``error_band``,
+    ``headroom``), or the host RAM the offload needs and the share of host RAM available
+    (``host_ram``). ``band`` and ``allowance``: the error band and allocator allowance
+    (``error_band``); ``margin``: the share of usable memory kept free (``headroom``); ``rank``: the
+    lowest rank known to fail (``lower_rank``).
     """
 
     kind: MisfitKind
@@ -34,11 +38,18 @@ class Misfit:
     limit_bytes: float = 0
     band: float = 0.0
     rank: int = 0
+    margin: float = 0.0
+    allowance: float = 0.0
 
     @property
     def on_gpu(self) -> bool:
         """The GPU's memory is what stands in the way (not host RAM)."""
         return self.kind != "host_ram"
+
+    @property
+    def tight(self) -> bool:
+        """It fits under the usable memory, but not with the margins kept."""
+        return self.kind in ("error_band", "headroom")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,717 @@
+"""The training-config readers (vramplan.readers): the corpus of real configs in tests/data/configs
+(each with its repository, path and commit in the folder's SOURCES.json), detection, --format,
+the estimate from a file against the same setup given as flags, warnings, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from cli_helpers import assert_user_error
+from click.testing import CliRunner
+
+from vramplan.cli import main
+from vramplan.commands.from_config import FORMAT_NAMES
+from vramplan.commands.options import FLAG
+from vramplan.readers import FORMATS, ReadWarning, detect, read_config
+from vramplan.specs import Setup
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+#: file -> (format, model as written, the Setup fields it determines): checked by hand against
+#: each file and its framework's defaults (docs/formats/*.md say which default comes from where)
+EXPECTED = {
+    "accelerate/handbook_fsdp.yaml": ("accelerate", None, {"fsdp": "full_shard", "gpus": 8}),
+    "accelerate/handbook_zero3.yaml": (
+        "accelerate",
+        None,
+        {"zero_stage": 3, "offload_optimizer": "none", "offload_params": "none", "gpus": 8},
+    ),
+    "accelerate/trl_deepspeed_zero2.yaml": (
+        "accelerate",
+        None,
+        {"zero_stage": 2, "offload_optimizer": "none", "offload_params": "none", "gpus": 8},
+    ),
+    "accelerate/trl_deepspeed_zero3.yaml": (
+        "accelerate",
+        None,
+        {"zero_stage": 3, "offload_optimizer": "none", "offload_params": "none", "gpus": 8},
+    ),
+    "accelerate/trl_fsdp1.yaml": ("accelerate", None, {"fsdp": "full_shard", "gpus": 8}),
+    "accelerate/trl_multi_gpu.yaml": ("accelerate", None, {"gpus": 8}),
+    "accelerate/trl_single_gpu.yaml": ("accelerate", None, {"gpus": 1}),
+    "axolotl/deepspeed_configs/zero1.json": (
+        "deepspeed",
+        None,
+        {"zero_stage": 1, "offload_optimizer": "none", "offload_params": "none"},
+    ),
+    "axolotl/deepspeed_configs/zero2.json": (
+        "deepspeed",
+        None,
+        {"zero_stage": 2, "offload_optimizer": "cpu", "offload_params": "none"},
+    ),
+    "axolotl/deepspeed_configs/zero3_bf16.json": (
+        "deepspeed",
+        None,
+        {"zero_stage": 3, "offload_optimizer": "none", "offload_params": "none"},
+    ),
+    "axolotl/fft-8b-liger-fsdp.yaml": (
+        "axolotl",
+        "NousResearch/Meta-Llama-3.1-8B",
+        {
+            "method": "full",
+            "seq": 4096,
+            "batch": 2,
+            "grad_accum": 4,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "adamw-fused",
+            "precision": "bf16",
+            "offload_params": "cpu",
+            "fsdp": "full_shard",
+        },
+    ),
+    "axolotl/fft-8b.yaml": (
+        "axolotl",
+        "NousResearch/Meta-Llama-3.1-8B",
+        {
+            "method": "full",
+            "seq": 8192,
+            "batch": 1,
+            "grad_accum": 8,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "paged-adamw-8bit",
+            "precision": "bf16",
+        },
+    ),
+    "axolotl/llama-2-fft_optimized.yml": (
+        "axolotl",
+        "NousResearch/Llama-2-7b-hf",
+        {
+            "method": "full",
+            "seq": 4096,
+            "batch": 1,
+            "grad_accum": 1,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "adamw-8bit",
+            "precision": "bf16",
+        },
+    ),
+    "axolotl/llama-2-lora.yml": (
+        "axolotl",
+        "NousResearch/Llama-2-7b-hf",
+        {
+            "method": "lora",
+            "quant": "int8",
+            "lora_rank": 32,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "all-linear",
+            "seq": 4096,
+            "batch": 2,
+            "grad_accum": 4,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "adamw-8bit",
+            "precision": "bf16",
+        },
+    ),
+    "axolotl/lora-1b.yml": (
+        "axolotl",
+        "NousResearch/Llama-3.2-1B",
+        {
+            "method": "lora",
+            "lora_rank": 16,
+            "lora_alpha": 32,
+            "lora_dropout": 0.05,
+            "lora_targets": "gate_proj,down_proj,up_proj,q_proj,v_proj,k_proj,o_proj",
+            "seq": 2048,
+            "batch": 2,
+            "grad_accum": 2,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "adamw-8bit",
+            "precision": "bf16",
+        },
+    ),
+    "axolotl/mistral-qlora.yml": (
+        "axolotl",
+        "mistralai/Mistral-7B-v0.1",
+        {
+            "method": "qlora",
+            "lora_rank": 32,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "all-linear",
+            "seq": 8192,
+            "batch": 2,
+            "grad_accum": 4,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "adamw-8bit",
+            "precision": "bf16",
+        },
+    ),
+    "axolotl/qlora-1b.yml": (
+        "axolotl",
+        "NousResearch/Llama-3.2-1B",
+        {
+            "method": "qlora",
+            "lora_rank": 32,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "gate_proj,down_proj,up_proj,q_proj,v_proj,k_proj,o_proj",
+            "seq": 2048,
+            "batch": 2,
+            "grad_accum": 4,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "adamw-8bit",
+            "precision": "bf16",
+        },
+    ),
+    "axolotl/stablelm-2-1.6b-fft.yml": (
+        "axolotl",
+        "stabilityai/stablelm-2-1_6b",
+        {
+            "method": "full",
+            "seq": 4096,
+            "batch": 1,
+            "grad_accum": 1,
+            "checkpointing": True,
+            "attn": "flash",
+            "optimizer": "adamw-8bit",
+            "precision": "bf16",
+        },
+    ),
+    "llamafactory/examples/deepspeed/ds_z0_config.json": (
+        "deepspeed",
+        None,
+        {"zero_stage": 0, "offload_optimizer": "none", "offload_params": "none"},
+    ),
+    "llamafactory/examples/deepspeed/ds_z2_offload_config.json": (
+        "deepspeed",
+        None,
+        {"zero_stage": 2, "offload_optimizer": "cpu", "offload_params": "none"},
+    ),
+    "llamafactory/examples/deepspeed/ds_z3_config.json": (
+        "deepspeed",
+        None,
+        {"zero_stage": 3, "offload_optimizer": "none", "offload_params": "none"},
+    ),
+    "llamafactory/examples/deepspeed/ds_z3_offload_config.json": (
+        "deepspeed",
+        None,
+        {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+    ),
+    "llamafactory/fsdp_qlora_llama3_lora_sft.yaml": (
+        "llamafactory",
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        {
+            "batch": 1,
+            "grad_accum": 8,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 2048,
+            "attn": "auto",
+            "lora_rank": 8,
+            "lora_dropout": 0.0,
+            "lora_targets": "all-linear",
+            "method": "qlora",
+            "quant": "nf4",
+            "double_quant": True,
+            "precision": "bf16",
+        },
+    ),
+    "llamafactory/galore_llama3_full_sft.yaml": (
+        "llamafactory",
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        {
+            "batch": 1,
+            "grad_accum": 1,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 2048,
+            "attn": "auto",
+            "method": "full",
+            "precision": "bf16",
+        },
+    ),
+    "llamafactory/qwen3_full_sft.yaml": (
+        "llamafactory",
+        "Qwen/Qwen3-4B-Instruct-2507",
+        {
+            "batch": 1,
+            "grad_accum": 2,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "zero_stage": 3,
+            "offload_optimizer": "none",
+            "offload_params": "none",
+            "seq": 2048,
+            "attn": "auto",
+            "method": "full",
+            "precision": "bf16-mixed",
+        },
+    ),
+    "llamafactory/qwen3_lora_dpo.yaml": (
+        "llamafactory",
+        "Qwen/Qwen3-4B-Instruct-2507",
+        {
+            "batch": 1,
+            "grad_accum": 8,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 2048,
+            "attn": "auto",
+            "lora_rank": 8,
+            "lora_dropout": 0.0,
+            "lora_targets": "all-linear",
+            "method": "lora",
+            "precision": "bf16",
+        },
+    ),
+    "llamafactory/qwen3_lora_sft.yaml": (
+        "llamafactory",
+        "Qwen/Qwen3-4B-Instruct-2507",
+        {
+            "batch": 1,
+            "grad_accum": 8,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 2048,
+            "attn": "auto",
+            "lora_rank": 8,
+            "lora_dropout": 0.0,
+            "lora_targets": "all-linear",
+            "method": "lora",
+            "precision": "bf16",
+        },
+    ),
+    "llamafactory/qwen3_lora_sft_ds3.yaml": (
+        "llamafactory",
+        "Qwen/Qwen3-4B-Instruct-2507",
+        {
+            "batch": 1,
+            "grad_accum": 2,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "zero_stage": 3,
+            "offload_optimizer": "none",
+            "offload_params": "none",
+            "seq": 2048,
+            "attn": "auto",
+            "lora_rank": 8,
+            "lora_dropout": 0.0,
+            "lora_targets": "all-linear",
+            "method": "lora",
+            "precision": "bf16",
+        },
+    ),
+    "llamafactory/qwen3_lora_sft_otfq.yaml": (
+        "llamafactory",
+        "Qwen/Qwen3-4B-Instruct-2507",
+        {
+            "batch": 1,
+            "grad_accum": 8,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 2048,
+            "attn": "auto",
+            "lora_rank": 8,
+            "lora_dropout": 0.0,
+            "lora_targets": "all-linear",
+            "method": "qlora",
+            "quant": "nf4",
+            "double_quant": True,
+            "precision": "bf16",
+        },
+    ),
+    "torchtune/gemma2_2B_lora_single_device.yaml": (
+        "torchtune",
+        "google/gemma-2-2b",
+        {
+            "method": "lora",
+            "lora_rank": 64,
+            "lora_alpha": 128,
+            "lora_dropout": 0.0,
+            "lora_targets": "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+            "batch": 8,
+            "grad_accum": 8,
+            "checkpointing": True,
+            "precision": "bf16",
+            "optimizer": "adamw-fused",
+        },
+    ),
+    "torchtune/llama3_1_8B_full.yaml": (
+        "torchtune",
+        "meta-llama/Llama-3.1-8B",
+        {
+            "method": "full",
+            "batch": 2,
+            "grad_accum": 1,
+            "checkpointing": True,
+            "precision": "bf16",
+            "optimizer": "adamw-fused",
+            "fsdp": "full_shard",
+            "gpus": 4,
+        },
+    ),
+    "torchtune/llama3_1_8B_lora_single_device.yaml": (
+        "torchtune",
+        "meta-llama/Llama-3.1-8B",
+        {
+            "method": "lora",
+            "lora_rank": 8,
+            "lora_alpha": 16,
+            "lora_dropout": 0.0,
+            "lora_targets": "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+            "batch": 2,
+            "grad_accum": 8,
+            "checkpointing": True,
+            "precision": "bf16",
+            "optimizer": "adamw-fused",
+        },
+    ),
+    "torchtune/llama3_2_1B_full_single_device.yaml": (
+        "torchtune",
+        "meta-llama/Llama-3.2-1B",
+        {
+            "method": "full",
+            "batch": 4,
+            "grad_accum": 1,
+            "checkpointing": False,
+            "precision": "bf16",
+            "optimizer": "paged-adamw-8bit",
+        },
+    ),
+    "torchtune/llama3_2_1B_lora_single_device.yaml": (
+        "torchtune",
+        "meta-llama/Llama-3.2-1B",
+        {
+            "method": "lora",
+            "lora_rank": 64,
+            "lora_alpha": 128,
+            "lora_dropout": 0.0,
+            "lora_targets": "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+            "batch": 4,
+            "grad_accum": 8,
+            "checkpointing": False,
+            "precision": "bf16",
+            "optimizer": "adamw-fused",
+        },
+    ),
+    "torchtune/llama3_2_1B_qlora_single_device.yaml": (
+        "torchtune",
+        "meta-llama/Llama-3.2-1B",
+        {
+            "method": "qlora",
+            "quant": "nf4",
+            "double_quant": True,
+            "lora_rank": 64,
+            "lora_alpha": 128,
+            "lora_dropout": 0.0,
+            "lora_targets": "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+            "batch": 4,
+            "grad_accum": 8,
+            "checkpointing": False,
+            "precision": "bf16",
+            "optimizer": "adamw-fused",
+        },
+    ),
+    "torchtune/qwen2_5_0.5B_full_single_device.yaml": (
+        "torchtune",
+        "Qwen/Qwen2.5-0.5B",
+        {
+            "method": "full",
+            "batch": 2,
+            "grad_accum": 8,
+            "checkpointing": False,
+            "precision": "bf16",
+            "optimizer": "adamw-fused",
+        },
+    ),
+    "trl/example_config.yaml": (
+        "trl",
+        "Qwen/Qwen2.5-0.5B",
+        {
+            "batch": 8,
+            "grad_accum": 1,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 1024,
+            "attn": "auto",
+            "precision": "bf16-mixed",
+        },
+    ),
+    "trl/smollm2-sft-config.yaml": (
+        "trl",
+        "HuggingFaceTB/SmolLM2-1.7B",
+        {
+            "batch": 4,
+            "grad_accum": 4,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 8192,
+            "attn": "flash",
+            "precision": "bf16",
+        },
+    ),
+    "trl/zephyr-7b-beta-dpo-config_qlora.yaml": (
+        "trl",
+        "alignment-handbook/zephyr-7b-sft-qlora",
+        {
+            "batch": 4,
+            "grad_accum": 4,
+            "checkpointing": True,
+            "optimizer": "adamw",
+            "seq": 1024,
+            "attn": "flash",
+            "method": "qlora",
+            "lora_rank": 128,
+            "lora_alpha": 128,
+            "lora_dropout": 0.05,
+            "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+            "quant": "nf4",
+            "double_quant": False,
+            "precision": "bf16",
+        },
+    ),
+    "trl/zephyr-7b-beta-sft-config_full.yaml": (
+        "trl",
+        "mistralai/Mistral-7B-v0.1",
+        {
+            "batch": 16,
+            "grad_accum": 1,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 2048,
+            "attn": "flash",
+            "precision": "bf16",
+        },
+    ),
+    "trl/zephyr-7b-beta-sft-config_qlora.yaml": (
+        "trl",
+        "mistralai/Mistral-7B-v0.1",
+        {
+            "batch": 4,
+            "grad_accum": 2,
+            "checkpointing": True,
+            "optimizer": "adamw-fused",
+            "seq": 2048,
+            "attn": "flash",
+            "method": "qlora",
+            "lora_rank": 16,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+            "quant": "nf4",
+            "double_quant": False,
+            "precision": "bf16",
+        },
+    ),
+}
+
+#: the model each corpus file trains -> a shipped profile of the same architecture
+SHIPPED = {
+    "NousResearch/Meta-Llama-3.1-8B": "llama-3.1-8b",
+    "NousResearch/Llama-2-7b-hf": "llama-2-7b",
+    "NousResearch/Llama-3.2-1B": "llama-3.2-1b",
+    "mistralai/Mistral-7B-v0.1": "mistral-7b",
+    "stabilityai/stablelm-2-1_6b": "stablelm-2-1_6b",
+    "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3-8b",
+    "Qwen/Qwen3-4B-Instruct-2507": "qwen3-4b",
+    "google/gemma-2-2b": "gemma-2-2b",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
+    "Qwen/Qwen2.5-0.5B": "qwen2-0.5b",
+    "HuggingFaceTB/SmolLM2-1.7B": "smollm2-1.7b",
+    "alignment-handbook/zephyr-7b-sft-qlora": "mistral-7b",
+    None: "llama-3.2-1b",
+}
+
+
+def corpus_files():
+    return sorted(p for p in CONFIGS.rglob("*") if p.is_file() and p.name != "SOURCES.json")
+
+
+def test_corpus_is_complete_with_provenance():
+    files = corpus_files()
+    assert sorted(str(p.relative_to(CONFIGS)) for p in files) == sorted(EXPECTED)
+    training = [f for f, (fmt, *_) in EXPECTED.items() if fmt not in ("accelerate", "deepspeed")]
+    assert len(training) >= 20
+    assert {fmt for fmt, *_ in EXPECTED.values()} >= {
+        "axolotl",
+        "llamafactory",
+        "trl",
+        "torchtune",
+        "accelerate",
+        "deepspeed",
+    }
+    for p in files:
+        sources = json.loads((CONFIGS / p.relative_to(CONFIGS).parts[0] / "SOURCES.json").read_text())
+        entry = sources[str(p.relative_to(CONFIGS / p.relative_to(CONFIGS).parts[0]))]
+        assert re.fullmatch(r"[0-9a-f]{40}", entry["commit"]), p
+        assert entry["repo"].count("/") == 1 and entry["path"], p
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_corpus_setup_matches_the_hand_checked_mapping(name):
+    fmt, model, fields = EXPECTED[name]
+    read = read_config(CONFIGS / name)
+    assert (read.format, read.model) == (fmt, model)
+    assert read.setup == Setup(**fields)
+    assert read.fields == fields
+    assert all(isinstance(w, ReadWarning) and w.field and w.why for w in read.warnings)
+
+
+def _flags(fields: dict) -> list[str]:
+    args: list[str] = []
+    for key, value in fields.items():
+        flag = FLAG[key]
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_estimate_from_the_file_equals_the_explicit_flags(name):
+    fmt, model, fields = EXPECTED[name]
+    shipped = SHIPPED[model]
+    runner = CliRunner()
+    from_file = runner.invoke(
+        main, ["estimate", str(CONFIGS / name), "--model", shipped, "--gpu", "a100-80gb", "--json"]
+    )
+    assert from_file.exit_code == 0, from_file.output
+    explicit = runner.invoke(main, ["estimate", shipped, *_flags(fields), "--gpu", "a100-80gb", "--json"])
+    assert explicit.exit_code == 0, explicit.output
+    assert json.loads(from_file.stdout) == json.loads(explicit.stdout)
+
+
+def test_warnings_name_the_ignored_fields():
+    read = read_config(CONFIGS / "axolotl/fft-8b-liger-fsdp.yaml")
+    ignored = {w.field for w in read.warnings if w.kind == "ignored"}
+    assert {
+        "sample_packing",
+        "liger_rope",
+        "liger_rms_norm",
+        "liger_glu_activation",
+        "liger_fused_linear_cross_entropy",
+    } <= ignored
+    packing = next(w for w in read.warnings if w.field == "sample_packing")
+    assert str(packing) == "ignored: sample_packing (packing is not modelled: sequences of sequence_len (4096) assumed)"
+    tt = {w.field for w in read_config(CONFIGS / "torchtune/llama3_2_1B_full_single_device.yaml").warnings}
+    assert {"optimizer_in_bwd", "tokenizer.max_seq_len", "loss._component_"} <= tt
+    lf = {w.field for w in read_config(CONFIGS / "llamafactory/galore_llama3_full_sft.yaml").warnings}
+    assert "use_galore" in lf
+    result = CliRunner().invoke(main, ["estimate", str(CONFIGS / "axolotl/fft-8b.yaml"), "--model", "llama-3.1-8b"])
+    assert result.exit_code == 0
+    assert "warning: " in result.stderr and "ignored: sample_packing" in result.stderr
+
+
+def test_detection():
+    assert detect({"base_model": "x", "micro_batch_size": 2}) == "axolotl"
+    assert detect({"model_name_or_path": "x", "finetuning_type": "lora"}) == "llamafactory"
+    assert detect({"model_name_or_path": "x", "use_peft": True}) == "trl"
+    assert detect({"model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"}}) == "torchtune"
+    assert detect({"per_device_train_batch_size": 4, "optim": "adamw_torch"}) == "hf"
+    assert detect({"distributed_type": "DEEPSPEED"}) == "accelerate"
+    assert detect({"zero_optimization": {"stage": 2}}) == "deepspeed"
+    assert detect({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) is None  # a model's config.json
+    assert detect({"foo": 1}) is None and detect([1, 2]) is None
+    assert set(FORMATS) == set(FORMAT_NAMES)
+
+
+def test_format_forcing(tmp_path):
+    # a TRL/alignment-handbook YAML read as plain TrainingArguments: HF's defaults instead of TRL's
+    name = "trl/example_config.yaml"
+    trl = read_config(CONFIGS / name)
+    hf = read_config(CONFIGS / name, format="hf")
+    assert hf.format == "hf" and hf.setup.checkpointing is False and trl.setup.checkpointing is True
+    result = CliRunner().invoke(
+        main, ["estimate", str(CONFIGS / name), "--format", "hf", "--model", "qwen2-0.5b", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["setup"]["checkpointing"] is False
+
+
+def test_flags_typed_override_the_file():
+    result = CliRunner().invoke(
+        main,
+        [
+            "estimate",
+            str(CONFIGS / "axolotl/lora-1b.yml"),
+            "--model",
+            "llama-3.2-1b",
+            "--seq",
+            "512",
+            "--no-checkpointing",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    setup = json.loads(result.stdout)["setup"]
+    assert (setup["seq"], setup["checkpointing"], setup["lora_rank"], setup["batch"]) == (512, False, 16, 2)
+
+
+def test_deepspeed_file_resolved_relative_to_the_config(tmp_path):
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "z3.json").write_text(
+        json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    )
+    sub = tmp_path / "runs"
+    sub.mkdir()
+    cfg = sub / "cfg.yml"
+    cfg.write_text("base_model: x\nmicro_batch_size: 1\ndeepspeed: ds/z3.json\n")
+    read = read_config(cfg)
+    assert (read.setup.zero_stage, read.setup.offload_params) == (3, "cpu")
+
+
+def test_accelerate_config_with_a_training_config():
+    read = read_config(
+        CONFIGS / "trl/zephyr-7b-beta-sft-config_full.yaml", accelerate=CONFIGS / "accelerate/handbook_zero3.yaml"
+    )
+    assert (read.gpus, read.setup.gpus, read.setup.zero_stage) == (8, 8, 3)
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("foo: 1\n", ("not a training config",)),
+        ("base_model: x\nmicro_batch_size: two\n", ("micro_batch_size", "an integer")),
+        ("base_model: x\ngradient_checkpointing: maybe\n", ("gradient_checkpointing",)),
+        ("base_model: x\nadapter: ia3\n", ("adapter",)),
+        ("model_name_or_path: x\nfinetuning_type: lora\nquantization_bit: 3\n", ("quantization_bit",)),
+        ("model_name_or_path: x\nfinetuning_type: lora\ndeepspeed: nowhere.json\n", ("nowhere.json",)),
+        (
+            "model:\n  _component_: torchtune.models.llama3_2.lora_llama3_2_1b\n  lora_attn_modules: [wq]\n",
+            ("lora_attn_modules",),
+        ),
+        ("base_model: [\n", ("not valid YAML",)),
+    ],
+)
+def test_bad_input_is_one_line_naming_file_and_field(tmp_path, text, fragments):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(text)
+    result = CliRunner().invoke(main, ["estimate", str(cfg)])
+    assert_user_error(result, str(cfg), *fragments)
+
+
+def test_a_config_without_a_model_needs_one():
+    result = CliRunner().invoke(main, ["estimate", str(CONFIGS / "accelerate/trl_multi_gpu.yaml")])
+    assert_user_error(result, "names no model", "--model")
+    ok = CliRunner().invoke(
+        main, ["estimate", str(CONFIGS / "accelerate/trl_multi_gpu.yaml"), "--model", "llama-3.2-1b", "--json"]
+    )
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["setup"]["gpus"] == 8
+
+
+def test_model_config_json_is_still_a_model(tmp_path):
+    result = CliRunner().invoke(main, ["estimate", "llama-3.2-1b", "--model", "x"])
+    assert_user_error(result, "--model")

@@ -1,0 +1,126 @@
+"""The library versions an estimate models, and the version boundaries that move its numbers.
+
+The estimator's formulas are read off transformers 5, torch 2.13, peft 0.21, accelerate 1.15,
+bitsandbytes 0.50, deepspeed 0.19 and flash-attn 2.7 (``MODELLED_VERSIONS``). A ``Stack`` names another transformers
+version where a known boundary changes memory; each boundary is a predicate here, with the source
+it was read from, and the terms that depend on it ask the predicate (estimator/transients.py,
+the MoE note of estimator/step.py). Anything not listed is modelled as the default stack.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..specs import ModelSpec, Setup
+from ..units import bnb_4bit_tensor_bytes
+
+#: what the formulas are read off (the default Stack), stated in every Breakdown's notes
+MODELLED_VERSIONS = {"transformers": "5", "torch": "2.13", "peft": "0.21", "accelerate": "1.15",
+                     "bitsandbytes": "0.50", "deepspeed": "0.19", "flash-attn": "2.7"}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """'4.48.1' -> (4, 48, 1); a leading number only ('5' -> (5,))."""
+    m = re.match(r"\s*(\d+(?:\.\d+)*)", text)
+    if not m:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(p) for p in m.group(1).split("."))
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The transformers version an estimate models ("5" unless a record or a caller says)."""
+
+    transformers: str = MODELLED_VERSIONS["transformers"]
+
+    def __post_init__(self) -> None:
+        _version(self.transformers)  # raises on a non-version
+
+    @property
+    def is_default(self) -> bool:
+        return _version(self.transformers)[:1] == (5,)
+
+    @property
+    def loss_shift_copy(self) -> bool:
+        """transformers 4.46-4.48 ``ForCausalLMLoss`` (src/transformers/loss/loss_utils.py):
+        ``logits = logits.float()`` then ``shift_logits = logits[..., :-1, :].contiguous()``, a
+        second fp32 copy of b (s-1) V logits alive beside the first while cross_entropy runs.
+        4.49.0 replaced the shift by padding the labels (``nn.functional.pad(labels, (0, 1))``);
+        read off the 4.46.0, 4.48.1 and 4.49.0 wheels."""
+        return (4, 46) <= _version(self.transformers)[:2] < (4, 49)
+
+    @property
+    def moe_experts_linear(self) -> bool:
+        """transformers 4.x builds MoE experts as per-expert ``nn.Linear`` modules (4.48.1
+        modeling_mixtral.py: ``MixtralBlockSparseTop2MLP`` w1/w2/w3), which bitsandbytes
+        quantizes and peft can target one by one; transformers 5 fuses them into 3-D parameters
+        that ``replace_with_bnb_linear`` skips."""
+        return _version(self.transformers)[:1] < (5,)
+
+    def describe(self) -> str:
+        libs = dict(MODELLED_VERSIONS, transformers=self.transformers)
+        return ", ".join(f"{k} {v}" for k, v in libs.items())
+
+
+DEFAULT_STACK = Stack()
+
+
+def stack_from_versions(versions: dict) -> Stack:
+    """A published record's ``versions`` ({"transformers": {"version": "4.48.1", ...}, ...}) as
+    the Stack its estimate models; the default when the record names no transformers version."""
+    entry = versions.get("transformers") if versions else None
+    version = entry.get("version") if isinstance(entry, dict) else entry
+    if not version:
+        return DEFAULT_STACK
+    try:
+        return Stack(transformers=str(version))
+    except ValueError:
+        return DEFAULT_STACK
+
+
+def _expert_tensors(model: ModelSpec) -> tuple[int, int]:
+    """(routed expert parameters, how many 2-D expert matrices hold them: gate, up, down per expert)."""
+    experts = sum(n for name, n in model.other_params if name == "experts")
+    if not experts or model.moe is None:
+        return 0, 0
+    return experts, 3 * model.moe.num_experts * model.moe.num_moe_layers
+
+
+def moe_experts_4x_saving_bytes(model: ModelSpec, setup: Setup) -> int:
+    """Bytes a quantized MoE base's weights take less under transformers 4.x, whose per-expert
+    ``nn.Linear`` layers bitsandbytes quantizes (NF4/FP4 blocks of 64 with their absmax, double
+    quant as set: units.bnb_4bit_tensor_bytes; LLM.int8: int8 plus a fp32 scale per row), than under
+    transformers 5, whose fused 3-D experts stay unquantized and are upcast to fp32 by
+    ``prepare_model_for_kbit_training``. Before any sharding; 0 for a dense model or a 16-bit base."""
+    experts, tensors = _expert_tensors(model)
+    if not experts or setup.quant not in ("nf4", "fp4", "int8"):
+        return 0
+    per = experts // tensors
+    if setup.quant == "int8":
+        quantized = experts + 4 * tensors * (model.moe.expert_intermediate_size * 2 + model.hidden_size) // 3
+    else:
+        quantized = tensors * bnb_4bit_tensor_bytes(per, setup.double_quant)
+    return int(4 * experts - quantized)
+
+
+def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
+    """What the estimate says about the library versions it models: a non-default stack names
+    itself and the boundaries it applies; a quantized MoE base states the other major version's
+    weights (the cheap half of the transformers 4/5 difference: routing temporaries differ too)."""
+    notes = []
+    applied = [what for flag, what in ((stack.loss_shift_copy, "the loss's shifted fp32 logits copy"),)
+               if flag]
+    if not stack.is_default:
+        notes.append(f"models {stack.describe()}" + (f" (applied: {', '.join(applied)})" if applied else ""))
+    saving = moe_experts_4x_saving_bytes(model, setup)
+    if saving:
+        gib = saving / 2**30
+        if stack.moe_experts_linear:
+            notes.append(f"transformers {stack.transformers} quantizes the per-expert nn.Linear layers: the base takes "
+                         f"{gib:.1f} GiB less (before sharding) than these weights, which are transformers 5's fp32 "
+                         "fused experts; routing temporaries are transformers 5's too")
+        else:
+            notes.append(f"under transformers 4.x (per-expert nn.Linear layers, quantized by bitsandbytes) the base "
+                         f"would take {gib:.1f} GiB less (before sharding); this estimate models transformers 5")
+    return notes

@@ -1,0 +1,112 @@
+"""Read the training configs users already have: axolotl, LLaMA-Factory, TRL, torchtune, HF
+``TrainingArguments`` (with the DeepSpeed JSON they name), and accelerate / DeepSpeed files alone.
+
+:func:`read_config` detects the format (or takes ``format``), maps every memory-relevant field
+to a :class:`vramplan.specs.Setup` with the framework's own defaults for what the file leaves
+out (each reader cites the source it read them from), and names every field it cannot model
+in a typed :class:`ReadWarning`. Torch-free: yaml and json only, through :mod:`vramplan.inputs`.
+One module per format; detection is :func:`detect`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..inputs import load_structured, setup_from_mapping
+from ..specs import SpecError
+from .common import Mapped, ReadConfig, ReadWarning
+
+__all__ = ["FORMATS", "ReadConfig", "ReadWarning", "detect", "read_config"]
+
+#: format name -> what it is
+FORMATS = {
+    "axolotl": "axolotl YAML (axolotl train config.yml)",
+    "llamafactory": "LLaMA-Factory YAML (llamafactory-cli train config.yaml)",
+    "trl": "TRL config YAML (trl sft|dpo|grpo --config config.yaml)",
+    "torchtune": "torchtune recipe YAML (tune run RECIPE --config config.yaml)",
+    "hf": "HF TrainingArguments as JSON or YAML",
+    "accelerate": "accelerate config YAML (accelerate launch --config_file)",
+    "deepspeed": "DeepSpeed JSON (zero_optimization)",
+}
+
+_AXOLOTL = ("base_model", "micro_batch_size", "sequence_len", "lora_target_linear", "adapter")
+_LLAMAFACTORY = ("finetuning_type", "cutoff_len", "lora_target", "quantization_bit", "template", "stage")
+_TRL = ("use_peft", "dataset_name", "max_length", "max_seq_length", "packing", "padding_free", "lora_r",
+        "reward_funcs", "model_init_kwargs")
+_HF = ("per_device_train_batch_size", "gradient_accumulation_steps", "optim", "output_dir", "deepspeed", "fsdp",
+       "gradient_checkpointing", "bf16", "fp16", "num_train_epochs", "learning_rate")
+
+
+def detect(data) -> str | None:
+    """The format of a parsed config, or None (a model's config.json, anything else)."""
+    if not isinstance(data, dict) or "model_type" in data and "architectures" in data:
+        return None
+    model = data.get("model")
+    if isinstance(model, dict) and str(model.get("_component_", "")).startswith("torchtune."):
+        return "torchtune"
+    if "compute_environment" in data or "distributed_type" in data:
+        return "accelerate"
+    if "zero_optimization" in data or "train_micro_batch_size_per_gpu" in data:
+        return "deepspeed"
+    if any(k in data for k in _AXOLOTL):
+        return "axolotl"
+    if any(k in data for k in _LLAMAFACTORY):
+        return "llamafactory"
+    if any(k in data for k in _TRL) or "model_name_or_path" in data:
+        return "trl"
+    if any(k in data for k in _HF):
+        return "hf"
+    return None
+
+
+def _readers():
+    from .axolotl import read_axolotl
+    from .launch import read_accelerate, read_deepspeed
+    from .llamafactory import read_llamafactory
+    from .torchtune import read_torchtune
+    from .trainer import read_hf, read_trl
+
+    return {
+        "axolotl": read_axolotl, "llamafactory": read_llamafactory, "trl": read_trl, "torchtune": read_torchtune,
+        "hf": read_hf,
+        "accelerate": lambda data, path, m: _launch_only(read_accelerate, data, path, m),
+        "deepspeed": lambda data, path, m: _launch_only(read_deepspeed, data, path, m),
+    }
+
+
+def _launch_only(reader, data, path: Path, m: Mapped) -> None:
+    """A launch file alone: its distribution on the canonical step; the rest is vramplan's defaults."""
+    reader(data, str(path), m)
+    if m.amp == "fp16":
+        m.setup["precision"] = "fp16"
+    m.assume("model", None, "a launch file names no model or training setup: pass --model and setup flags")
+
+
+def read_config(path, format: str | None = None, *, accelerate=None) -> ReadConfig:
+    """Read a training config; ``format`` forces one of :data:`FORMATS` instead of detecting it.
+    ``accelerate``: an accelerate config YAML the run is launched with (its GPU count and, unless
+    the config names its own, its DeepSpeed or FSDP setup)."""
+    path = Path(path)
+    data = load_structured(path, "training config")
+    if format is None:
+        format = detect(data)
+        if format is None:
+            raise SpecError(f"{path}: not a training config vramplan reads (axolotl, LLaMA-Factory, TRL, torchtune, "
+                            "HF TrainingArguments, accelerate or DeepSpeed); pass --format to force one")
+    elif format not in FORMATS:
+        raise SpecError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: a {format} config must be a mapping of fields")
+    m = Mapped()
+    if accelerate is not None:
+        from .launch import read_accelerate
+
+        read_accelerate(load_structured(accelerate, "accelerate config"), str(accelerate), m)
+    _readers()[format](data, path, m)
+    if m.gpus is not None:
+        m.setup["gpus"] = m.gpus
+    elif m.setup.get("zero_stage") or m.setup.get("fsdp", "none") != "none":
+        m.assume("gpus", None, "the config does not fix the GPU count: 1 assumed (pass --gpus N)")
+    setup = setup_from_mapping(dict(m.setup), str(path))
+    return ReadConfig(path=str(path), format=format, model=m.model, setup=setup, gpus=m.gpus,
+                      warnings=tuple(m.warnings), fields=dict(m.setup))
