@@ -85,13 +85,13 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def run_emitted(folder: Path, which: int = 0) -> dict:
+def run_emitted(folder: Path, which: int = 0, extra: tuple[str, ...] = ()) -> dict:
     cmd = header_command(folder / "train.py", which)
     if cmd[0] == "python":
         cmd[0] = sys.executable
     elif cmd[0] == "deepspeed" and not _port_free(29500):
         cmd[1:1] = ["--master_port", str(free_port())]  # another process holds the launcher's default port
-    cmd += ["--cpu", "--max-steps", "2", "--memory-report", "memory.json"]
+    cmd += ["--cpu", "--max-steps", "2", "--memory-report", "memory.json", *extra]
     port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else 29500  # both launchers' default
     try:
         out = subprocess.run(cmd, check=False, cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)

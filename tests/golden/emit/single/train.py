@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=PLAN["lr"])
     p.add_argument("--output-dir", default="output")
     p.add_argument("--no-save", action="store_true", help="do not save the trained weights/adapter")
+    p.add_argument("--save-steps", type=int, default=0, metavar="N",
+                   help="also save a Trainer checkpoint (optimizer state included) every N steps; 0: none")
     p.add_argument("--deepspeed", default=None, help="DeepSpeed config (ds_config.json)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (TrainingArguments.use_cpu)")
     p.add_argument("--memory-report", default=None, metavar="PATH",
@@ -347,7 +349,8 @@ def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
         use_cpu=args.cpu,
         seed=args.seed,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps > 0 else "no",
+        save_steps=args.save_steps if args.save_steps > 0 else 500,
         report_to="none",
         remove_unused_columns=False,
         dataloader_drop_last=True,
