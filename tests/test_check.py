@@ -407,3 +407,50 @@ def test_ci_example_is_consistent():
     assert r.exit_code == 0, r.output
     data = as_json(r)
     assert data["counts"]["new"] == 0 and data["stale"] == []
+
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def test_from_entry_reads_a_training_config_relative_to_the_checks_file(tmp_path):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "lora.yml").write_text((CONFIGS / "axolotl/lora-1b.yml").read_text())
+    spec = write(tmp_path / "checks.yaml", """\
+checks:
+  - name: axo
+    from: cfg/lora.yml
+    model: llama-3.2-1b
+    gpu: rtx-4090
+    setup: {seq: 1024}
+""")
+    (check,) = load_specs([spec])
+    read_setup = Setup(method="lora", lora_rank=16, lora_alpha=32, lora_dropout=0.05, batch=2, grad_accum=2,
+                       lora_targets="gate_proj,down_proj,up_proj,q_proj,v_proj,k_proj,o_proj", seq=1024,
+                       optimizer="adamw-8bit", checkpointing=True, attn="flash", precision="bf16")
+    assert check.setup == read_setup  # the file's setup with the entry's override
+    assert check.config == str(tmp_path / "cfg" / "lora.yml") and check.model == "llama-3.2-1b"
+    assert any("ignored: sample_packing" in w for w in check.warnings)
+    result = CliRunner().invoke(main, ["check", str(spec), "--baseline", str(tmp_path / "b.json"), "--json",
+                                       "--no-calibration"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["results"]
+    assert any("sample_packing" in w for w in row["warnings"])
+    direct = estimate(load_model("llama-3.2-1b"), read_setup, load_gpu("rtx-4090"))
+    assert row["device_total_bytes"] == direct.device_total_bytes
+
+
+@pytest.mark.parametrize(
+    "entry, fragments",
+    [
+        ("from: nowhere.yml\n    model: x\n", ("check 'c'", "from: no such file", "nowhere.yml")),
+        ("from: cfg.yml\n", ("check 'c'", "names no model", "give model")),
+        ("from: cfg.yml\n    model: llama-3.2-1b\n    format: trl\n", ("check 'c'", "reads as axolotl", "not trl")),
+        ("model: llama-3.2-1b\n    format: axolotl\n", ("check 'c'", "format goes with from")),
+        ("from: 3\n    model: x\n", ("check 'c'", "from must be the path")),
+    ],
+)
+def test_from_entry_errors_name_the_file_and_the_entry(tmp_path, entry, fragments):
+    write(tmp_path / "cfg.yml", "micro_batch_size: 1\n")  # axolotl, naming no model
+    spec = write(tmp_path / "checks.yaml", f"checks:\n  - name: c\n    gpu: rtx-4090\n    {entry}")
+    result = CliRunner().invoke(main, ["check", str(spec), "--baseline", str(tmp_path / "b.json")])
+    assert_user_error(result, str(spec), *fragments)

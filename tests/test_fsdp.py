@@ -66,9 +66,14 @@ def test_sharding_divides_the_model_states():
     m = load_model(MODEL)
     peaks = {n: estimate(m, Setup(fsdp="full_shard", gpus=n)) for n in (1, 2, 8)}
     assert peaks[1].tensor_peak_bytes > peaks[2].tensor_peak_bytes > peaks[8].tensor_peak_bytes
-    # fp32 masters (accelerate upcasts trainable flat parameters): 4 bytes/param over 8 ranks
-    assert peaks[8].component("weights") == pytest.approx(4 * m.params_total / 8, rel=1e-3)
-    assert peaks[8].component("optimizer_states") == pytest.approx(8 * m.params_total / 8, rel=1e-3)
+    # pure bf16 (accelerate mixed_precision "no"): the bf16 parameters sharded as loaded, their
+    # AdamW states bf16 too: 2 + 4 bytes/param over 8 ranks
+    assert peaks[8].component("weights") == pytest.approx(2 * m.params_total / 8, rel=1e-3)
+    assert peaks[8].component("optimizer_states") == pytest.approx(4 * m.params_total / 8, rel=1e-3)
+    # bf16 MixedPrecision: fp32 masters (accelerate upcasts trainable flat parameters), 4 + 8
+    mixed = estimate(m, Setup(fsdp="full_shard", gpus=8, precision="bf16-mixed"))
+    assert mixed.component("weights") == pytest.approx(4 * m.params_total / 8, rel=1e-3)
+    assert mixed.component("optimizer_states") == pytest.approx(8 * m.params_total / 8, rel=1e-3)
     # accumulation (accelerate's no_sync): every unit's unsharded 16-bit gradient stays on the device
     ga = estimate(m, Setup(fsdp="full_shard", gpus=8, grad_accum=4))
     assert ga.phase_peaks_bytes["forward"] - peaks[8].phase_peaks_bytes["forward"] == 2 * m.params_total
@@ -202,7 +207,7 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
 
     from vramplan.emit import render
     from vramplan.emit.common import ACCELERATE_CONFIG
-    from vramplan.run.fsdp import _fsdp_plugin
+    from vramplan.run.fsdp import _fsdp_plugin, _mixed_precision
     from vramplan.specs import Plan
 
     m = load_model(MODEL)
@@ -210,7 +215,8 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
     monkeypatch.setattr(acc_dc, "is_cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for setup in (Setup(fsdp="full_shard", gpus=4), Setup(fsdp="shard_grad_op", gpus=2, offload_params="cpu"),
-                  Setup(fsdp="no_shard", gpus=2, method="lora")):
+                  Setup(fsdp="no_shard", gpus=2, method="lora"),
+                  Setup(fsdp="full_shard", gpus=2, precision="bf16-mixed")):
         plan = Plan(model=m.name, setup=setup, breakdown=estimate(m, setup))
         path = tmp_path / ACCELERATE_CONFIG
         path.write_text(render(plan, ["accelerate"])[ACCELERATE_CONFIG])
@@ -218,6 +224,9 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
             launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
         assert args.use_fsdp and args.num_processes == setup.gpus
         env = prepare_multi_gpu_env(args)
+        # pure bf16 runs without a MixedPrecision policy (16-bit shards), bf16-mixed with one
+        assert env["ACCELERATE_MIXED_PRECISION"] == _mixed_precision(setup) == (
+            "bf16" if setup.precision == "bf16-mixed" else "no")
         for k, v in env.items():
             if k.startswith(("FSDP_", "ACCELERATE_")):
                 monkeypatch.setenv(k, v)
@@ -241,7 +250,8 @@ from vramplan.run.tiny import TINY_SEQ  # noqa: E402
 N2 = [{"fsdp": "full_shard"}, {"fsdp": "shard_grad_op"}, {"fsdp": "no_shard"},
       {"fsdp": "full_shard", "offload_params": "cpu"}, {"fsdp": "full_shard", "method": "lora"},
       {"fsdp": "full_shard", "grad_accum": 2}, {"fsdp": "full_shard", "method": "qlora"},
-      {"fsdp": "full_shard", "optimizer": "adamw-8bit"}, {"fsdp": "full_shard", "precision": "fp16-mixed"}, {}]
+      {"fsdp": "full_shard", "optimizer": "adamw-8bit"}, {"fsdp": "full_shard", "precision": "fp16-mixed"},
+      {"fsdp": "full_shard", "precision": "bf16-mixed"}, {}]
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +281,11 @@ def test_sharding_shows_in_the_truth(measured):
     full, sgo, no = (peak[(("fsdp", s),)] for s in ("full_shard", "shard_grad_op", "no_shard"))
     assert full < sgo < no
     assert peak[(("fsdp", "full_shard"), ("offload_params", "cpu"))] < full
+    # pure bf16 (no policy) shards the bf16 parameters as loaded; bf16 MixedPrecision upcasts them
+    # to fp32 masters (shards, gradients and AdamW states twice the bytes)
+    run = {k: pair[0] for k, pair in measured.items()}
+    pure, mixed = run[(("fsdp", "full_shard"),)], run[(("fsdp", "full_shard"), ("precision", "bf16-mixed"))]
+    assert mixed.worst.device_bytes > pure.worst.device_bytes * 1.2
 
 
 def test_unverified_cases_say_why():

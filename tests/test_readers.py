@@ -16,7 +16,7 @@ from vramplan.cli import main
 from vramplan.commands.from_config import FORMAT_NAMES
 from vramplan.commands.options import FLAG
 from vramplan.readers import FORMATS, ReadWarning, detect, read_config
-from vramplan.specs import Setup
+from vramplan.specs import Setup, SpecError
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -42,6 +42,18 @@ EXPECTED = {
     "accelerate/trl_fsdp1.yaml": ("accelerate", None, {"fsdp": "full_shard", "gpus": 8}),
     "accelerate/trl_multi_gpu.yaml": ("accelerate", None, {"gpus": 8}),
     "accelerate/trl_single_gpu.yaml": ("accelerate", None, {"gpus": 1}),
+    "hf/cbdetect-training_args.json": (
+        "hf",
+        "facebook/detr-resnet-50",
+        {
+            "batch": 8,
+            "grad_accum": 1,
+            "checkpointing": False,
+            "optimizer": "adamw-fused",
+            "precision": "bf16",
+            "attn": "auto",
+        },
+    ),
     "axolotl/deepspeed_configs/zero1.json": (
         "deepspeed",
         None,
@@ -531,6 +543,7 @@ SHIPPED = {
     "Qwen/Qwen2.5-0.5B": "qwen2-0.5b",
     "HuggingFaceTB/SmolLM2-1.7B": "smollm2-1.7b",
     "alignment-handbook/zephyr-7b-sft-qlora": "mistral-7b",
+    "facebook/detr-resnet-50": "llama-3.2-1b",  # not an LLM: the file's TrainingArguments on a shipped one
     None: "llama-3.2-1b",
 }
 
@@ -551,6 +564,7 @@ def test_corpus_is_complete_with_provenance():
         "torchtune",
         "accelerate",
         "deepspeed",
+        "hf",
     }
     for p in files:
         sources = json.loads((CONFIGS / p.relative_to(CONFIGS).parts[0] / "SOURCES.json").read_text())
@@ -715,3 +729,51 @@ def test_a_config_without_a_model_needs_one():
 def test_model_config_json_is_still_a_model(tmp_path):
     result = CliRunner().invoke(main, ["estimate", "llama-3.2-1b", "--model", "x"])
     assert_user_error(result, "--model")
+
+
+def test_plain_training_arguments_json_warns_about_what_it_assumes():
+    read = read_config(CONFIGS / "hf/cbdetect-training_args.json")
+    shown = {(w.kind, w.field) for w in read.warnings}
+    assert {("assumed", "max_length"), ("assumed", "dtype"), ("ignored", "fp16")} <= shown
+    assert read.setup.seq == 2048  # TrainingArguments has no sequence length: vramplan's default
+
+
+def test_json_with_script_arguments_is_hf_not_trl(tmp_path):
+    # transformers' example scripts share model_name_or_path / dataset_name / max_seq_length with TRL,
+    # but their JSON goes to HfArgumentParser.parse_json_file; TRL's own fields still mean TRL
+    args = {"model_name_or_path": "x", "dataset_name": "d", "max_seq_length": 512, "per_device_train_batch_size": 2}
+    assert detect(args, json=True) == "hf" and detect(args) == "trl"
+    assert detect({**args, "use_peft": True}, json=True) == "trl"
+    cfg = tmp_path / "args.json"
+    cfg.write_text(json.dumps(args))
+    read = read_config(cfg)
+    assert (read.format, read.setup.seq, read.setup.checkpointing) == ("hf", 512, False)
+
+
+@pytest.mark.parametrize(
+    "name, forced, detected",
+    [
+        ("axolotl/lora-1b.yml", "trl", "axolotl"),
+        ("llamafactory/qwen3_lora_sft.yaml", "axolotl", "llamafactory"),
+        ("torchtune/llama3_2_1B_lora_single_device.yaml", "hf", "torchtune"),
+        ("accelerate/handbook_zero3.yaml", "deepspeed", "accelerate"),
+        ("axolotl/deepspeed_configs/zero2.json", "hf", "deepspeed"),
+    ],
+)
+def test_forcing_another_detected_format_is_refused(name, forced, detected):
+    with pytest.raises(SpecError) as exc:
+        read_config(CONFIGS / name, format=forced)
+    message = str(exc.value)
+    assert f"reads as {detected}" in message and f"not {forced}" in message and str(CONFIGS / name) in message
+    result = CliRunner().invoke(main, ["estimate", str(CONFIGS / name), "--format", forced, "--model", "llama-3.2-1b"])
+    assert_user_error(result, f"reads as {detected}", f"--format {forced}")
+
+
+def test_forcing_is_allowed_between_hf_and_trl_and_on_undetected_files(tmp_path):
+    assert read_config(CONFIGS / "trl/example_config.yaml", format="hf").format == "hf"
+    assert read_config(CONFIGS / "hf/cbdetect-training_args.json", format="trl").format == "trl"
+    cfg = tmp_path / "bare.yaml"
+    cfg.write_text("base_model_config: x\n")  # no field detection knows
+    with pytest.raises(SpecError, match="not a training config"):
+        read_config(cfg)
+    assert read_config(cfg, format="axolotl").format == "axolotl"

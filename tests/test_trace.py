@@ -65,3 +65,51 @@ def test_quantized_setups_are_refused_with_a_reason():
     with pytest.raises(NotTraceable, match="bitsandbytes"):
         trace(load_model("gpt2"), Setup(method="qlora"))
     assert issubclass(NotTraceable, SpecError)
+
+
+def test_boolean_sdpa_mask_becomes_an_additive_one_per_call():
+    """torch 2.13's SDPA turns a boolean mask into a new additive one in the query's dtype at every
+    call (convert_boolean_attn_mask; checked on the installed torch), which CUDA's memory-efficient
+    kernel saves: an expanded view of (b, 1, s, s), padded over every head when s is not a multiple
+    of 16 (preprocess_mask)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vramplan.run.real_paths import efficient_attn_bias
+
+    class Ops(TorchDispatchMode):
+        made: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dim() == 4:
+                self.made.append((func, out.dtype))
+            return out
+
+    q = torch.zeros(1, 2, 32, 8, dtype=torch.bfloat16)
+    mask = torch.ones(1, 1, 32, 32, dtype=torch.bool).tril()
+    with Ops():
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert (torch.ops.aten.where.self, torch.bfloat16) in Ops.made  # torch's own conversion
+    bias = efficient_attn_bias(mask, q, q)
+    assert bias.dtype == torch.bfloat16 and bias.shape == (1, 2, 32, 32)
+    assert bias.untyped_storage().nbytes() == 2 * 32 * 32  # a view over one (1, 1, s, s) mask
+    odd = efficient_attn_bias(torch.ones(1, 1, 30, 30, dtype=torch.bool), q[:, :, :30], q[:, :, :30])
+    assert odd.shape == (1, 2, 30, 30) and odd.untyped_storage().nbytes() == 2 * 2 * 30 * 32  # padded
+
+
+@pytest.mark.parametrize("setup", [Setup(seq=4096), Setup(seq=4096, method="lora"),
+                                   Setup(seq=4096, method="lora", checkpointing=True)],
+                         ids=["full", "lora", "lora-ckpt"])
+def test_sliding_window_mask_at_the_window_within_1_percent(setup):
+    """Mistral's sliding window (4096) at seq 4096: every layer's SDPA gets an explicit boolean
+    mask and keeps its own bf16 additive copy (1 GiB over 32 layers at batch 1)."""
+    from pathlib import Path
+
+    from vramplan.estimator import estimate
+
+    model = load_model(str(Path(__file__).parents[1] / "profiles/models/mistralai--Mistral-7B-v0.1.json"))
+    assert model.traits.sliding_window == 4096
+    traced, est = trace(model, setup), estimate(model, setup)
+    assert abs(est.tensor_peak_bytes / traced.tensor_peak_bytes - 1) <= 0.01

@@ -98,6 +98,7 @@ def run_emitted(folder: Path, which: int = 0, extra: tuple[str, ...] = ()) -> di
     finally:
         release_deepspeed_shm(port)  # DeepSpeed's CPU ranks leave ~64 MiB of /dev/shm each
     assert out.returncode == 0, f"{shlex.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    assert "gradient_checkpointing_enable` is deprecated" not in out.stderr  # transformers 5's old name, gone in v6
     single = folder / "memory.json"  # several ranks: one report per rank, memory.rankN.json
     return json.loads((single if single.exists() else folder / "memory.rank0.json").read_text())
 

@@ -163,3 +163,50 @@ def test_a_worker_dies_with_its_killed_launcher(tmp_path):
         time.sleep(0.05)
     os.kill(worker, signal.SIGKILL)
     raise AssertionError("the worker outlived its launcher")
+
+
+def test_sweep_temp_dirs_are_pid_named_and_dead_ones_are_removed(tmp_path, monkeypatch):
+    import tempfile
+
+    from vramplan import sweep
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / "vramplan-scaled-999999999-abcd"
+    stale.mkdir()
+    seen = []
+    real = sweep.TempDir.__enter__
+
+    def enter(self):
+        seen.append(Path(real(self)).name)
+        return str(self.path)
+
+    monkeypatch.setattr(sweep.TempDir, "__enter__", enter)
+    assert sweep._scaled_spec("llama-3.2-1b").num_layers > 0
+    assert not stale.exists()
+    assert [n.startswith(f"vramplan-scaled-{os.getpid()}-") for n in seen] == [True]
+    assert list(tmp_path.iterdir()) == []  # its own directory is gone too
+
+
+_FORKING_WORKER = """
+import sys, time
+from vramplan.run import worker
+worker._run_and_write = lambda request: time.sleep(60) or 0  # a measurement that outlives the worker
+print(worker._fork({}, {}), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_forked_child_dies_with_its_killed_worker():
+    """The forking worker (run_many) killed outright: its children must not outlive it."""
+    parent = subprocess.Popen([sys.executable, "-c", _FORKING_WORKER], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the forked child outlived its worker")

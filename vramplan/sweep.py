@@ -29,11 +29,11 @@ be replaced by the ``seconds`` the first GPU sweep records).
 from __future__ import annotations
 
 import re
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .fileio import TempDir
 from .measure import check_measurable
 from .specs import Setup, SpecError
 
@@ -210,7 +210,7 @@ def _scaled_spec(model: str):
     from .measure import DEFAULT_SCALE, scaled_model_path
     from .profiles import load_model
 
-    with tempfile.TemporaryDirectory(prefix="vramplan-scaled-") as tmp:
+    with TempDir("scaled") as tmp:  # pid-named: one a kill -9 left is removed by the next run
         return load_model(scaled_model_path(model, dict(DEFAULT_SCALE), tmp))
 
 
@@ -280,7 +280,7 @@ def run_sweep(spec: Matrix, runs: list[Run], budget_s: float, records_dir: str,
             options = m.MeasureOptions(device=spec.device, steps=spec.steps, emulate_gpu=gpu,
                                        timeout_s=max(1.0, min(spec.timeout_s, left_s)))
             started = time.monotonic()
-            with tempfile.TemporaryDirectory(prefix="vramplan-sweep-") as tmp:
+            with TempDir("sweep") as tmp:
                 model = m.scaled_model_path(run.model, dict(m.DEFAULT_SCALE), tmp) if run.scale_down else run.model
                 plan = Plan(model=model, setup=run.setup, breakdown=estimate(load_model(model), run.setup, gpu),
                             gpu=gpu)

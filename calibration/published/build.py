@@ -311,18 +311,16 @@ def normalise(row: dict) -> dict:
             if mp_on:
                 notes.append("accelerate.yaml says mixed_precision 'no', but the run passes --bf16 (scenarios.yaml "
                              "baseline-peft-bnb: bf16 True, the CSV's bf16 column), which turns on FSDP's bf16 "
-                             "MixedPrecision: vramplan's --precision bf16 --fsdp")
-                approximations.append("sharded QLoRA: TRL 0.13 calls get_peft_model(autocast_adapter_dtype=False) "
-                                      "(bf16 adapters) and accelerate 1.0.1 prepares FSDP; vramplan models "
-                                      "accelerate 1.15 upcasting trainable shards to fp32 (adapter bytes only)")
-            elif method == "full":
-                unexpressible.append("FSDP without MixedPrecision on a bf16-loaded model (accelerate mixed_precision "
-                                     "'no'): bf16 shards, gradients and AdamW states; vramplan's --precision bf16 "
-                                     "--fsdp means fp32 trainable shards")
+                             "MixedPrecision")
+                approximations.append("sharded QLoRA under FSDP's bf16 MixedPrecision (TRL 0.13 calls get_peft_model("
+                                      "autocast_adapter_dtype=False): bf16 adapters; accelerate 1.0.1); vramplan "
+                                      "refuses a -mixed QLoRA under FSDP and models --precision bf16 --fsdp: no "
+                                      "policy, peft's fp32 adapters run in fp32 (adapter bytes and their fp32 input "
+                                      "copies only)")
             else:
-                approximations.append("FSDP without MixedPrecision (accelerate mixed_precision 'no'): the frozen bf16 "
-                                      "base is the same; the fp32 adapters run in fp32 (peft casts their input), where "
-                                      "vramplan's --precision bf16 --fsdp runs them on bf16 copies")
+                notes.append("FSDP without MixedPrecision (accelerate mixed_precision 'no') on the bf16-loaded model: "
+                             "vramplan's --precision bf16 --fsdp (bf16 shards, gradients and AdamW states; LoRA: "
+                             "peft's fp32 adapters run in fp32)")
         if "distributed" in (row.get("framework") or "") or "torchtune" in (row.get("framework") or ""):
             pass
     if row.get("offload") not in (None, "none"):
@@ -338,7 +336,7 @@ def normalise(row: dict) -> dict:
             approximations.append("transformers 4.48 per-expert nn.Linear MoE (vramplan models transformers 5's fused "
                                   "3-D experts: the same frozen bf16 bytes, its own routing temporaries)")
     if fsdp != "none" and quant in ("nf4", "fp4"):
-        precision = "bf16"  # FSDP's bf16 MixedPrecision: vramplan's --precision bf16 --fsdp
+        precision = "bf16"  # the bf16 packed base (a -mixed QLoRA under FSDP is refused: see above)
     if repo == "foundation-model-stack/fms-acceleration" and quant == "nf4" and fsdp == "none":
         # baseline-peft-bnb passes bf16: True (scenarios.yaml; the CSV's bf16 column is TRUE)
         unexpressible.append("TRL 0.13 with --bf16 on an unsharded 4-bit base: prepare_model_for_kbit_training, then "

@@ -12,7 +12,7 @@ from typing import Any
 from ..inputs import compose_yaml, construct_yaml, loads_json, read_text, resolve_gpu, setup_from_mapping
 from ..specs import GpuSpec, Setup, SpecError
 
-CHECK_KEYS = ("name", "model", "gpu", "gpu_memory", "setup", "must_fit", "tolerance")
+CHECK_KEYS = ("name", "model", "from", "format", "gpu", "gpu_memory", "setup", "must_fit", "tolerance")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class CheckSpec:
     tolerance: float | None = None
     source: str = ""
     line: int | None = None  # 1-based line of the check in its file, for annotations
+    #: a ``from:`` check's training config, and its reader's warnings (fields not modelled, values assumed)
+    config: str | None = None
+    warnings: tuple[str, ...] = ()
 
 
 def parse_tolerance(value: Any, where: str = "tolerance") -> float:
@@ -104,6 +107,15 @@ def _check_from_entry(entry: Any, defaults: dict, path: Path, index: int, line: 
         if part is not None and not isinstance(part, dict):
             raise SpecError(f"{where}: setup must be a mapping of setup keys")
     setup_data = {**(defaults.get("setup") or {}), **(entry.get("setup") or {})}
+    config, warnings = None, ()
+    if "from" in entry:
+        config, model, fields, warnings = _from_config(entry, path, where)
+        merged.setdefault("model", model)
+        setup_data = {**(defaults.get("setup") or {}), **fields, **(entry.get("setup") or {})}
+        if merged.get("model") is None:
+            raise SpecError(f"{where}: {config} names no model; give model")
+    elif "format" in entry:
+        raise SpecError(f"{where}: format goes with from (a training config)")
     for key in ("name", "model"):
         if merged.get(key) in (None, ""):
             raise SpecError(f"{where}: missing '{key}'")
@@ -126,7 +138,35 @@ def _check_from_entry(entry: Any, defaults: dict, path: Path, index: int, line: 
         tolerance=None if tolerance is None else parse_tolerance(tolerance, f"{where}: tolerance"),
         source=str(path),
         line=line,
+        config=config,
+        warnings=warnings,
     )
+
+
+def _from_config(entry: dict, path: Path, where: str) -> tuple[str, str | None, dict, tuple[str, ...]]:
+    """A ``from:`` entry's training config, read relative to the checks file: (its path, the model
+    it names, the Setup fields it determines, its reader's warnings). Errors name the entry."""
+    from ..readers import read_config
+
+    ref, fmt = entry["from"], entry.get("format")
+    if not isinstance(ref, str) or not ref.strip():
+        raise SpecError(f"{where}: from must be the path of a training config")
+    if fmt is not None and not isinstance(fmt, str):
+        raise SpecError(f"{where}: format must be a format name such as axolotl; got {fmt!r}")
+    config = Path(ref).expanduser()
+    if not config.is_absolute():
+        config = path.parent / config
+    if not config.is_file():
+        raise SpecError(f"{where}: from: no such file {config}")
+    try:
+        read = read_config(config, fmt)
+    except SpecError as exc:
+        raise SpecError(f"{where}: from: {exc}") from None
+    model = read.model
+    if model is not None and not Path(model).is_absolute() and (config.parent / model).exists():
+        model = str(config.parent / model)  # a model path in the config is relative to the config
+    shown = tuple(f"{config}: {w}" for w in read.warnings if not (w.field == "model" and "model" in entry))
+    return str(config), model, dict(read.fields), shown
 
 
 def _check_from_plan(path: Path) -> CheckSpec:

@@ -28,7 +28,7 @@ def measure(spec: CheckSpec, tier: str = "analytic",
         raise SpecError(f"tier must be one of {', '.join(TIERS)}; got {tier!r}")
     try:
         model = load_model(spec.model)
-        warnings = tuple(check(model, spec.setup, spec.gpu))
+        warnings = (*spec.warnings, *check(model, spec.setup, spec.gpu))
         if tier == "trace":
             from ..run.tracer import trace
 

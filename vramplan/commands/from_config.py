@@ -16,7 +16,8 @@ import click
 from ..specs import Setup, SpecError
 from .options import SETUP_FIELDS, given_fields, make_setup, warn
 
-__all__ = ["FORMAT_NAMES", "config_options", "is_config_file", "setup_from_config"]
+__all__ = ["FORMAT_NAMES", "config_options", "from_options", "is_config_file", "plan_source", "print_as_written",
+           "print_changes", "setup_from_config"]
 
 #: vramplan.readers.FORMATS' names (kept here so that --help needs no reader import)
 FORMAT_NAMES = ("axolotl", "llamafactory", "trl", "torchtune", "hf", "accelerate", "deepspeed")
@@ -35,6 +36,75 @@ def config_options(fn: Callable) -> Callable:
     for option in reversed(_OPTIONS):
         fn = option(fn)
     return fn
+
+
+_FROM_OPTIONS = (
+    click.option("--from", "from_file", metavar="FILE", default=None,
+                 help="Plan from a training config (axolotl, LLaMA-Factory, TRL, torchtune, HF TrainingArguments): "
+                      "its setup is estimated as written, and the plan keeps its model, GPU count, sequence length, "
+                      "global batch and quality choices (docs/commands/plan.md); MODEL, if given, replaces its "
+                      "model."),
+    _OPTIONS[0],
+    _OPTIONS[2],
+)
+
+
+def from_options(fn: Callable) -> Callable:
+    """``plan``'s ``--from FILE``, ``--format`` and ``--accelerate-config``."""
+    for option in reversed(_FROM_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def plan_source(path: str, config_format: str | None, model: str | None, accelerate_file: str | None,
+                gpus: int | None):
+    """(ReadConfig, PlanInputs) of ``plan --from FILE``; prints the reader's warnings. ``model``
+    and ``gpus``: MODEL and ``--gpus`` when typed (they win over the file)."""
+    from ..readers import plan_inputs, read_config
+
+    read = read_config(path, config_format, accelerate=accelerate_file)
+    source = plan_inputs(read, model, gpus)  # an error (no model) before any warning
+    for w in read.warnings:
+        if not (w.field == "model" and model) and not (w.field == "gpus" and gpus):
+            warn(f"{path}: {w}")
+    return read, source
+
+
+def as_written_json(read, source, bd) -> dict:
+    """``from_config`` of ``plan --from FILE --json``: the file, its setup as written and its fit."""
+    return {"path": read.path, "format": read.format, "model": source.model, "setup": source.setup.to_dict(),
+            "global_batch": source.global_batch, "device_total_bytes": bd.device_total_bytes,
+            "usable_bytes": bd.gpu.usable_memory_bytes, "fits": bd.fits}
+
+
+def print_as_written(read, source, bd) -> None:
+    """One line: the file's setup as written and whether it fits the GPU."""
+    from ..units import gib
+    from ..wording import describe
+
+    usable = bd.gpu.usable_memory_bytes
+    verdict = (f"fits ({gib(bd.headroom_bytes)} GiB headroom)" if bd.fits
+               else f"does not fit ({gib(-bd.headroom_bytes)} GiB short)")
+    gpus = f" on {source.setup.gpus} GPUs" if source.setup.gpus > 1 else ""
+    click.echo(f"{read.path} ({read.format}) as written: {describe(source.setup)}{gpus}: "
+               f"{gib(bd.device_total_bytes)} / {gib(usable)} GiB, {verdict}")
+
+
+def _shown(value) -> str:
+    return "on" if value is True else "off" if value is False else str(value)
+
+
+def print_changes(path: str, changes, fits: bool) -> None:
+    """The plan's changes to the file's setup, one flag a line (``--batch 8 -> 2``)."""
+    from .options import FLAG
+
+    label = "plan" if fits else "closest"
+    if not changes:
+        click.echo(f"changes vs {path}: none (the {label} is the file's setup)")
+        return
+    click.echo(f"changes vs {path} (the {label}):")
+    for c in changes:
+        click.echo(f"  {FLAG.get(c.field, c.field)}: {_shown(c.file)} -> {_shown(c.plan)}")
 
 
 def is_config_file(name: str, config_format: str | None) -> bool:

@@ -16,11 +16,13 @@ import click
 
 from ..specs import SpecError
 from ..wording import describe
+from .from_config import from_options
 from .options import (
     FLAG,
     Count,
     calibration_options,
     corrections_for,
+    given_fields,
     gpu_options,
     knob_options,
     print_json,
@@ -88,7 +90,8 @@ _MORE_KNOBS = {
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", required=False)
+@from_options
 @gpu_options
 @setting_option("gpus", "GPUs in all (data parallel).")
 @click.option("--nodes", type=Count("nodes"), default=1, show_default=True,
@@ -116,7 +119,8 @@ _MORE_KNOBS = {
 @click.option("--force", is_flag=True, help="Overwrite an existing --out/--html file or non-empty --emit DIR.")
 @calibration_options
 @user_errors
-def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, nodes: int, host_ram: str | None,
+def plan(model: str | None, from_file: str | None, config_format: str | None, accelerate_file: str | None,
+         gpu_name: str | None, gpu_memory: str | None, gpus: int, nodes: int, host_ram: str | None,
          margin: float, nvme: bool, seq: int, global_batch: str | None, tokens_per_step: str | None,
          dataset_tokens: str | None,
          no_quant: bool, as_json: bool, out_file: str | None, html_file: str | None, emit_dir: str | None,
@@ -127,6 +131,10 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
     checkpointing, attention, ZeRO stage, FSDP, offload, micro-batch x grad accumulation). The plan
     keeps the GPU resident when it can, takes the best quality tier that fits with margin (full >
     LoRA > LoRA on an 8-bit base > QLoRA), then the most tokens/s.
+
+    --from FILE plans from a training config: its setup is estimated as written, and the plan
+    keeps its model, GPUs, sequence length, global batch and quality choices, searches the memory
+    savers, and prints what it changes.
     """
     from ..inputs import resolve_gpu
     from ..search import plan as run_plan
@@ -149,9 +157,32 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
     corrections = corrections_for(gpu, knobs.pop("no_calibration"), knobs.pop("calibration_file"))
     fixed = {k: v for k, v in knobs.items() if v is not None}
     warn_lora_unused(fixed.get("method"), fixed)
+    batch_count = parse_count(global_batch, "--global-batch")
+    source = None
+    if from_file is not None:
+        from ..estimator import estimate
+        from ..profiles import load_model
+        from ..readers import merge_fixed
+        from .from_config import plan_source, print_as_written
+
+        typed = set(given_fields(["gpus", "seq"]))
+        read, source = plan_source(from_file, config_format, model, accelerate_file,
+                                   gpus if "gpus" in typed else None)
+        model, gpus = source.model, source.gpus
+        seq = seq if "seq" in typed else source.seq
+        if batch_count is None and tokens_per_step is None and "batch" not in fixed and "grad_accum" not in fixed:
+            batch_count = source.global_batch
+        fixed = merge_fixed(source.fixed, fixed)
+        as_written = estimate(load_model(model), source.setup, gpu, corrections)
+        if not as_json:
+            print_as_written(read, source, as_written)
+    elif config_format or accelerate_file:
+        raise SpecError("--format and --accelerate-config go with --from FILE")
+    elif model is None:
+        raise SpecError("plan needs MODEL (a model name, Hub id or config.json) or --from FILE (a training config)")
     try:
         result = run_plan(model, gpu, gpus=gpus, nodes=nodes, host_ram=ram, nvme=nvme, seq=seq, margin=margin,
-                          global_batch=parse_count(global_batch, "--global-batch"),
+                          global_batch=batch_count,
                           tokens_per_step=parse_count(tokens_per_step, "--tokens-per-step"),
                           dataset_tokens=parse_count(dataset_tokens, "--dataset-tokens"), corrections=corrections,
                           **fixed)
@@ -179,9 +210,21 @@ def plan(model: str, gpu_name: str | None, gpu_memory: str | None, gpus: int, no
         # the search resolved MODEL (cached): the emitters reuse its spec instead of the plan's name
         emitted = emit_to_dir(result, emit_dir, formats=None, force=force, model=load_model(model))
     if as_json:
-        print_json(plan_to_json(result))
+        out = plan_to_json(result)
+        if source is not None:
+            from ..readers import setup_changes
+            from .from_config import as_written_json
+
+            out["from_config"] = {**as_written_json(read, source, as_written),
+                                  "changes": [c.to_json() for c in setup_changes(source.setup, result.setup)]}
+        print_json(out)
     else:
         print_plan(result)
+        if source is not None:
+            from ..readers import setup_changes
+            from .from_config import print_changes
+
+            print_changes(from_file, setup_changes(source.setup, result.setup), result.fits)
     for path in [out_file, html_file, *emitted]:
         if path:
             click.echo(f"wrote {path}", err=True)

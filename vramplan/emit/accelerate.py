@@ -14,10 +14,11 @@ import yaml
 from ..specs import Plan
 from .common import DS_CONFIG, FSDP_STRATEGIES, MAIN_PORT, comment, fsdp_mode, header_lines
 
-#: Setup.precision -> accelerate's mixed_precision under FSDP: pure bf16 runs FSDP's bf16
-#: MixedPrecision over fp32 shards (accelerate upcasts trainable shards), what vramplan.run.fsdp
-#: runs and estimator/fsdp.py models.
-MIXED_PRECISION = {"bf16": "bf16", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
+#: Setup.precision -> accelerate's mixed_precision under FSDP: the "-mixed" precisions run FSDP's
+#: MixedPrecision over fp32 shards (accelerate upcasts trainable shards); pure bf16/fp16 run
+#: without a policy on the 16-bit-loaded model (16-bit shards), what vramplan.run.fsdp runs and
+#: estimator/fsdp.py models.
+MIXED_PRECISION = {"bf16": "no", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
 
 #: Setup.precision -> accelerate's mixed_precision on one GPU and under DDP: autocast only for the
 #: "-mixed" precisions. ``accelerate launch`` exports it as ACCELERATE_MIXED_PRECISION, and the

@@ -92,6 +92,13 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
     else:
         total += 2 * c * kv + c * q
         total += masked_layers(model, setup) / model.num_layers * 2 * c * (q - kv)
+    # a masked layer's SDPA converts the boolean mask to a new additive one in the query's dtype
+    # (torch's convert_boolean_attn_mask), which the memory-efficient kernel saves: (b, 1, s, s),
+    # or expanded to every head and padded to a multiple of 16 keys when s is not one
+    # (preprocess_mask; vramplan/run/real_paths.py, efficient_attn_bias)
+    if masked_layers(model, setup):
+        bias = c * s if s % 16 == 0 else c * a * (s + 16 - s % 16)
+        total += masked_layers(model, setup) / model.num_layers * bias
     if t.qk_norm_rows:
         total += norm_bytes(model, setup, full, width=q + kv, rows=t.qk_norm_rows)
     return total
@@ -317,8 +324,10 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         total += 2 * (t.rope_bytes or (4 if mixed(setup) else c)) * model.rope_dim
     if t.embedding_dropout and full:
         total += h
-    if masked_layers(model, setup):
-        total += setup.seq  # the (b, 1, s, s) bool sliding-window mask, shared by the layers
+    if masked_layers(model, setup) and setup.checkpointing:
+        # the (b, 1, s, s) bool mask, an input every checkpointed layer keeps for its recompute
+        # (without checkpointing each layer keeps its own additive copy: attention_bytes)
+        total += setup.seq
     total += norm_bytes(model, setup, trainable_weight=full)
     if full or (setup.zero_stage == 3 and setup.loss == "hf"):
         total += c * h  # lm_head input (ZeRO-3's F.linear keeps a frozen head's too)

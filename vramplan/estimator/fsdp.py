@@ -10,11 +10,15 @@ read off the real N-process run of ``vramplan.run.fsdp`` (docs/commands/validate
   ``fsdp_auto_wrap_policy``, which makes every adapter Linear its own unit as well;
 - each unit is padded to a multiple of the ranks and sharded (NO_SHARD: not sharded; FULL_SHARD on
   one rank is NO_SHARD);
-- mixed precision (accelerate ``mixed_precision`` bf16/fp16): ``MixedPrecision(param_dtype,
-  reduce_dtype)`` and accelerate upcasts every *trainable* flat parameter to fp32 (as DeepSpeed
-  keeps fp32 masters): the shard, its gradient and the optimizer states are fp32; frozen units
-  (the LoRA base) stay in the load dtype; the forward and backward run on 16-bit unsharded copies,
-  the adapters too (so peft's adapter inputs are not upcast);
+- mixed precision (the ``-mixed`` precisions: accelerate ``mixed_precision`` bf16/fp16):
+  ``MixedPrecision(param_dtype, reduce_dtype)`` and accelerate upcasts every *trainable* flat
+  parameter to fp32 (as DeepSpeed keeps fp32 masters): the shard, its gradient and the optimizer
+  states are fp32; frozen units (the LoRA base) stay in the load dtype; the forward and backward
+  run on 16-bit unsharded copies, the adapters too (so peft's adapter inputs are not upcast);
+- pure 16-bit (bf16, fp16: accelerate ``mixed_precision: no`` on a 16-bit-loaded model, as on one
+  GPU): no policy, no upcast; FSDP shards the parameters as loaded, so a full fine-tune's shards,
+  gradients and AdamW states are 16-bit; peft's adapters stay fp32 (their own units) and run in
+  fp32 on fp32 casts of their inputs;
 - unsharded parameters: the root unit is gathered at the first forward and kept until the end of
   the backward (FSDP1 does not reshard the root after the forward); a layer unit is gathered for
   its forward and freed after it (FULL_SHARD, NO_SHARD's low-precision copy) or kept until its
@@ -56,8 +60,8 @@ from .lora import lora_params
 from .optimizers import linear_and_other_tensors
 
 #: Setup.precision -> whether accelerate runs FSDP with a MixedPrecision policy (emit/accelerate.py
-#: ``MIXED_PRECISION``: pure fp16 and fp32 run without one).
-_FSDP_MIXED = {"bf16": True, "bf16-mixed": True, "fp16": False, "fp16-mixed": True, "fp32": False}
+#: ``MIXED_PRECISION``: pure bf16, pure fp16 and fp32 run without one).
+_FSDP_MIXED = {"bf16": False, "bf16-mixed": True, "fp16": False, "fp16-mixed": True, "fp32": False}
 
 #: Optimizer states per trainable shard element: AdamW's two moments and SGD's momentum in the
 #: shard's dtype (this many times its bytes); the others in fixed bytes (Lion's fp32 momentum,
@@ -217,10 +221,11 @@ def fsdp_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
     copies = not (n == 1 and not mixed and full) and not (n == 1 and not full)
     root = cb * root_p if copies else 0
     layer = (cb * layer_p if packed is None else packed + cb * rest) if copies else 0
-    if not full and mixed and keep_layers:
+    if not full and keep_layers:
         # SHARD_GRAD_OP keeps every unit gathered from its forward to its backward, a layer's
-        # adapter units (cast to 16 bits) too; FULL_SHARD regathers them one at a time in backward
-        layer += cb * lora_params(model, setup) // L
+        # adapter units too (cast to 16 bits; without a policy their fp32 flat parameters);
+        # FULL_SHARD regathers them one at a time in backward
+        layer += (cb if mixed else 4) * lora_params(model, setup) // L
     head = sum(l.weight_params for l in model.linears if l.role == "head") or (
         model.vocab_size * model.hidden_size if model.tie_word_embeddings else 0)
     layer_grad = cb * layer_p if full else 0

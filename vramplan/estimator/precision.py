@@ -14,8 +14,10 @@ from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
 def mixed(setup: Setup) -> bool:
     """Mixed precision: fp32 weights and residual stream, matmuls and attention under autocast.
     Not under DeepSpeed: accelerate leaves autocast to it (``native_amp`` is off for DeepSpeed)
-    and its bf16/fp16 engine casts the parameters to 16 bits (:func:`deepspeed_16bit`)."""
-    return setup.precision.endswith("-mixed") and not setup.zero_stage
+    and its bf16/fp16 engine casts the parameters to 16 bits (:func:`deepspeed_16bit`). Not under
+    FSDP either: its MixedPrecision runs the forward and backward on 16-bit gathered copies of the
+    fp32 shards, so the step's activations are those of the 16-bit step (estimator/fsdp.py)."""
+    return setup.precision.endswith("-mixed") and not setup.zero_stage and setup.fsdp == "none"
 
 
 def deepspeed_16bit(setup: Setup) -> bool:
@@ -59,8 +61,9 @@ def adapter_dtype_bytes(setup: Setup) -> int:
     quantized base is never built under ``zero.Init`` (transformers creates it on the meta device
     and loads it whole on every rank): stage 3 partitions it at ``initialize`` and casts it,
     adapters included, like stage 1/2."""
-    if setup.fsdp != "none":  # FSDP's MixedPrecision computes the adapters on 16-bit copies
-        return 2 if setup.precision in ("bf16", "bf16-mixed", "fp16-mixed") else 4
+    if setup.fsdp != "none":  # FSDP's MixedPrecision (the -mixed precisions) computes the adapters on
+        # 16-bit copies; without it (bf16, fp16, fp32) peft's fp32 adapters run in fp32 on fp32 inputs
+        return 2 if setup.precision.endswith("-mixed") else 4
     if setup.precision == "fp32" or not setup.zero_stage:
         return 4
     if setup.zero_stage in (1, 2) or setup.offload_params != "none" or setup.quant != "none":

@@ -170,7 +170,7 @@ def _per_rank_states(model: ModelSpec, setup: Setup, single: ModelStates, cast: 
 class StepActivationTerms:
     """The activations of the step and the transients beside them (bytes unless per token)."""
 
-    setup: Setup  # the setup the activations are those of (FSDP's mixed load: its 16-bit step)
+    setup: Setup  # the setup the activations are those of
     compute_bytes: int  # c: bytes per element of the activations
     layer_kept: float  # bytes one layer keeps (its layer input alone, with checkpointing)
     merged_total: float  # peft's merged MoE expert stacks, over the MoE layers
@@ -186,17 +186,10 @@ class StepActivationTerms:
     dequantization_forward: int  # one Linear dequantized in the forward (GPTQ; AWQ over 1024 rows)
 
 
-def _activation_setup(setup: Setup) -> Setup:
-    """FSDP's MixedPrecision runs the step on 16-bit copies of fp32-loaded weights: its activations
-    are those of the bf16/fp16 step (estimator/fsdp.py), not autocast's."""
-    fsdp_mixed_load = setup.fsdp != "none" and setup.precision.endswith("-mixed")
-    return setup.replace(precision=setup.precision[:4]) if fsdp_mixed_load else setup
-
-
 def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK) -> StepActivationTerms:
     """Per layer (token-sized, plus weight-sized for peft's merged MoE experts), outside the layers,
     the loss, and the dequantization transients."""
-    aset = _activation_setup(setup)
+    aset = setup  # (under FSDP's MixedPrecision precision.mixed() reads it as the 16-bit step)
     N, L = setup.tokens, model.num_layers
     layer_tok = act.layer_bytes_per_token(model, aset) * N
     merged_total = act.moe_lora_weight_bytes(model, aset)

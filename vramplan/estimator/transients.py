@@ -130,6 +130,7 @@ def loss_transients(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK
         return forward, 8 * N * V
     chunk = min(N, LOSS_CHUNK_TOKENS)
     # full fine-tuning: the head weight's gradient of the chunks done so far waits for the next
-    head_grad = (V * h * int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]])
-                 if setup.method == "full" and N > chunk else 0)
+    # (FSDP: the unsharded gradient, in the compute dtype; else the weight's dtype)
+    grad_bytes = c if setup.fsdp != "none" else int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]])
+    head_grad = V * h * grad_bytes if setup.method == "full" and N > chunk else 0
     return 8 * chunk * V, 12 * chunk * V + c * N * h + head_grad

@@ -15,8 +15,10 @@ from pathlib import Path
 from ..inputs import load_structured, setup_from_mapping
 from ..specs import SpecError
 from .common import Mapped, ReadConfig, ReadWarning
+from .planning import Change, PlanInputs, merge_fixed, plan_inputs, setup_changes
 
-__all__ = ["FORMATS", "ReadConfig", "ReadWarning", "detect", "read_config"]
+__all__ = ["FORMATS", "Change", "PlanInputs", "ReadConfig", "ReadWarning", "detect", "merge_fixed", "plan_inputs",
+           "read_config", "setup_changes"]
 
 #: format name -> what it is
 FORMATS = {
@@ -31,14 +33,19 @@ FORMATS = {
 
 _AXOLOTL = ("base_model", "micro_batch_size", "sequence_len", "lora_target_linear", "adapter")
 _LLAMAFACTORY = ("finetuning_type", "cutoff_len", "lora_target", "quantization_bit", "template", "stage")
-_TRL = ("use_peft", "dataset_name", "max_length", "max_seq_length", "packing", "padding_free", "lora_r",
-        "reward_funcs", "model_init_kwargs")
-_HF = ("per_device_train_batch_size", "gradient_accumulation_steps", "optim", "output_dir", "deepspeed", "fsdp",
-       "gradient_checkpointing", "bf16", "fp16", "num_train_epochs", "learning_rate")
+#: fields of TRL's own configs (ModelConfig, SFTConfig, GRPOConfig) that TrainingArguments lacks
+_TRL_OWN = ("use_peft", "packing", "padding_free", "lora_r", "reward_funcs", "model_init_kwargs")
+#: with these, also script arguments that transformers' example scripts share (their JSON is HF)
+_TRL = (*_TRL_OWN, "dataset_name", "max_length", "max_seq_length")
+_HF = ("model_name_or_path", "per_device_train_batch_size", "gradient_accumulation_steps", "optim", "output_dir",
+       "deepspeed", "fsdp", "gradient_checkpointing", "bf16", "fp16", "num_train_epochs", "learning_rate")
 
 
-def detect(data) -> str | None:
-    """The format of a parsed config, or None (a model's config.json, anything else)."""
+def detect(data, *, json: bool = False) -> str | None:
+    """The format of a parsed config, or None (a model's config.json, anything else). ``json``:
+    the file is JSON, as ``HfArgumentParser.parse_json_file`` reads (``trl ... --config`` takes
+    YAML): then only TRL's own fields mean TRL; ``model_name_or_path``, ``dataset_name`` and the
+    sequence lengths are the script arguments transformers' example scripts share too."""
     if not isinstance(data, dict) or "model_type" in data and "architectures" in data:
         return None
     model = data.get("model")
@@ -52,7 +59,7 @@ def detect(data) -> str | None:
         return "axolotl"
     if any(k in data for k in _LLAMAFACTORY):
         return "llamafactory"
-    if any(k in data for k in _TRL) or "model_name_or_path" in data:
+    if any(k in data for k in _TRL_OWN) or not json and (any(k in data for k in _TRL) or "model_name_or_path" in data):
         return "trl"
     if any(k in data for k in _HF):
         return "hf"
@@ -88,13 +95,17 @@ def read_config(path, format: str | None = None, *, accelerate=None) -> ReadConf
     the config names its own, its DeepSpeed or FSDP setup)."""
     path = Path(path)
     data = load_structured(path, "training config")
+    detected = detect(data, json=path.suffix.lower() == ".json")
     if format is None:
-        format = detect(data)
+        format = detected
         if format is None:
             raise SpecError(f"{path}: not a training config vramplan reads (axolotl, LLaMA-Factory, TRL, torchtune, "
                             "HF TrainingArguments, accelerate or DeepSpeed); pass --format to force one")
     elif format not in FORMATS:
         raise SpecError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+    elif detected is not None and detected != format and {detected, format} != {"hf", "trl"}:
+        raise SpecError(f"{path}: reads as {detected} ({FORMATS[detected]}), not {format}; drop --format {format} "
+                        f"(or pass --format {detected})")
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a {format} config must be a mapping of fields")
     m = Mapped()

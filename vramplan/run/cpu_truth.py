@@ -154,9 +154,8 @@ def build_model(config: dict, setup: Setup):
             attn_implementation=attn, use_cache=False)
         import peft
 
-        model = peft.prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=setup.checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        # checkpointing is adapt_for_training's (peft's would call the deprecated gradient_checkpointing_enable)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = adapt_for_training(model, setup)
     return model
 
@@ -214,12 +213,14 @@ def _flash_real():
     import torch
     import torch.nn.functional as F
 
+    from .real_paths import efficient_attn_bias
+
     orig = F.scaled_dot_product_attention
 
     class FlashReal(torch.autograd.Function):
         """CUDA's fused SDPA kernels' memory (the tracer's stand-in: q, k, v, the output, a fp32
-        logsumexp and the mask if any are saved; backward allocates dq, dk, dv) with the real
-        output computed, so that what follows sees real values."""
+        logsumexp and the additive mask made of a bool one, if any, are saved; backward allocates
+        dq, dk, dv) with the real output computed, so that what follows sees real values."""
 
         @staticmethod
         def forward(ctx, q, k, v, mask, is_causal, scale):
@@ -231,7 +232,9 @@ def _flash_real():
             out.copy_(res)
             del res
             lse = q.new_empty(b, a, s, dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+            # the memory-efficient kernel keeps the additive mask torch converts the bool one into
+            bias = [] if mask is None else [efficient_attn_bias(mask, q, k)]
+            ctx.save_for_backward(q, k, v, out, lse, *bias)
             return out
 
         @staticmethod

@@ -9,17 +9,18 @@ one after the other.
 
 FSDP, as accelerate launches it. The emitted accelerate config (vramplan/emit/accelerate.py) asks
 for FSDP1 (``fsdp_version: 1``, accelerate 1.15's default) with TRANSFORMER_BASED_WRAP,
-BACKWARD_PRE prefetch, ``use_orig_params`` and ``mixed_precision`` bf16. accelerate only turns
-FSDP on for accelerator devices (on CPU its state is MULTI_CPU), so the worker builds the
+BACKWARD_PRE prefetch, ``use_orig_params`` and ``mixed_precision`` from the precision (bf16/fp16
+for the ``-mixed`` ones, ``no`` for pure bf16/fp16 and fp32: emit/accelerate.py). accelerate only
+turns FSDP on for accelerator devices (on CPU its state is MULTI_CPU), so the worker builds the
 ``Accelerator`` with that ``FullyShardedDataParallelPlugin`` and sets the state's distributed type
 to FSDP before ``accelerator.prepare(model)``: the wrapping, the wrap policy (each decoder layer its
 own unit, the root unit holding embeddings, final norm and head; under LoRA peft's
-``fsdp_auto_wrap_policy``, as the HF Trainer's ``update_fsdp_plugin_peft`` sets), the bf16
-``MixedPrecision`` policy and the fp32 upcast of trainable flat parameters are accelerate's own
-code. FSDP1 runs on CPU with gloo in torch 2.13 for FULL_SHARD, SHARD_GRAD_OP and NO_SHARD;
-HYBRID_SHARD needs a 2-D process group (nodes) and is not run. The optimizer (torch AdamW foreach,
-or bitsandbytes' 8-bit AdamW with the Trainer's 32-bit embedding override) is created after
-``prepare`` over the Trainer's parameter groups, as the Trainer does under FSDP; fp16
+``fsdp_auto_wrap_policy``, as the HF Trainer's ``update_fsdp_plugin_peft`` sets), the
+``MixedPrecision`` policy and the fp32 upcast of trainable flat parameters (both only with mixed
+precision) are accelerate's own code. FSDP1 runs on CPU with gloo in torch 2.13 for FULL_SHARD,
+SHARD_GRAD_OP and NO_SHARD; HYBRID_SHARD needs a 2-D process group (nodes) and is not run. The
+optimizer (torch AdamW foreach, or bitsandbytes' 8-bit AdamW with the Trainer's 32-bit embedding
+override) is created after ``prepare`` over the Trainer's parameter groups, as the Trainer does under FSDP; fp16
 MixedPrecision steps through FSDP's ``ShardedGradScaler`` (accelerate builds it on a GPU only).
 A QLoRA base is the random checkpoint reloaded through bitsandbytes with the 4-bit weights packed
 in the load dtype (``bnb_4bit_quant_storage``), not prepared for k-bit training (see

@@ -92,10 +92,11 @@ def _failure(request: dict, log: Path, *, timeout: bool, returncode: int | None,
     return out
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """In the child, before exec: ask Linux to SIGKILL it when the launching process dies (a
-    ``kill -9`` of ``vramplan measure`` skips every cleanup), and exit at once if that already
-    happened. Elsewhere (no prctl) the timeout's process-group kill is the only guard."""
+def die_with_parent(parent: int) -> Callable[[], None]:
+    """In the child, before exec (or right after the forking worker's fork): ask Linux to SIGKILL
+    it when the launching process dies (a ``kill -9`` of ``vramplan measure`` skips every cleanup),
+    and exit at once if that already happened. Elsewhere (no prctl) the timeout's process-group kill
+    is the only guard."""
 
     def arm() -> None:
         try:
@@ -120,7 +121,7 @@ def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     env = {**env, "TMPDIR": str(tmp)}
     with open(log, "ab") as fh:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+                                start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
 
 
 def run_one(request: dict, workdir: str | os.PathLike, timeout_s: float) -> dict:

@@ -3,13 +3,61 @@ the meta device by transformers (needs the ``run`` extra; no weights, no GPU).""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import warnings
 
 from ..specs import LinearSpec, ModelSpec, SpecError
+
+#: Encoder-decoder model types (transformers 5.24): an encoder stack and cross-attention, no causal-LM step.
+ENCODER_DECODER_TYPES = frozenset({
+    "t5", "mt5", "umt5", "longt5", "switch_transformers", "bart", "mbart", "plbart", "pegasus", "pegasus_x",
+    "marian", "blenderbot", "blenderbot-small", "led", "bigbird_pegasus", "m2m_100", "nllb-moe", "fsmt",
+    "prophetnet", "xlm-prophetnet", "whisper", "encoder-decoder", "speech-encoder-decoder", "t5gemma",
+})
+#: State-space and linear-recurrence model types: no attention layers whose memory vramplan models.
+STATE_SPACE_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"})
+_STATE_SPACE_ARCH = re.compile(r"Mamba|Rwkv|RWKV|xLSTM")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+
+
+def unsupported_reason(config: dict) -> str | None:
+    """Why vramplan cannot model the architecture of ``config`` (read from its keys alone, before
+    transformers is imported), or None. Encoder-decoder models (``is_encoder_decoder``, encoder and
+    decoder layer counts, or a known type) and pure state-space models (a known type, or a
+    Mamba/RWKV architecture without attention heads) are refused; hybrids with attention are not."""
+    mt = config.get("model_type")
+    archs = [a for a in config.get("architectures") or () if isinstance(a, str)]
+    if (mt in ENCODER_DECODER_TYPES or config.get("is_encoder_decoder") is True
+            or "num_decoder_layers" in config or {"encoder_layers", "decoder_layers"} <= config.keys()):
+        return (f"model_type {mt!r} is an encoder-decoder model; vramplan models decoder-only causal LMs "
+                "(its step has an encoder and cross-attention it does not count)")
+    if mt in STATE_SPACE_TYPES or (any(_STATE_SPACE_ARCH.search(a) for a in archs)
+                                   and not any(k in config for k in _HEAD_KEYS)):
+        return (f"model_type {mt!r} is a state-space model without attention layers; vramplan models "
+                "decoder-only transformers (its recurrent scan's memory is not modelled)")
+    return None
+
+
+@contextlib.contextmanager
+def _quiet(transformers):
+    """transformers' own logging and Python warnings silenced while it reads and builds a config,
+    its verbosity restored after: what reaches the user is vramplan's ``error:`` or result."""
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
 
 
 def model_spec_from_meta(config: dict, *, name: str, source: str = "") -> ModelSpec:
     mt = config.get("model_type")
+    reason = unsupported_reason(config)
+    if reason:
+        raise SpecError(reason)
     try:
         import torch
         import transformers
@@ -20,16 +68,17 @@ def model_spec_from_meta(config: dict, *, name: str, source: str = "") -> ModelS
         ) from None
     cfg = dict(config)
     cfg.pop("model_type")
-    try:
-        hf_cfg = transformers.AutoConfig.for_model(mt, **cfg)
-    except (ValueError, KeyError) as exc:
-        raise SpecError(f"transformers does not know model_type {mt!r}: {str(exc).splitlines()[0]}") from None
-    transformers.logging.set_verbosity_error()
-    with torch.device("meta"):
+    with _quiet(transformers):
         try:
-            model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-        except Exception as exc:  # noqa: BLE001 - any failure here is a config problem for the user
-            raise SpecError(f"cannot build model_type {mt!r} as a causal LM: {str(exc).splitlines()[0]}") from None
+            hf_cfg = transformers.AutoConfig.for_model(mt, **cfg)
+        except (ValueError, KeyError) as exc:
+            raise SpecError(f"transformers does not know model_type {mt!r}: {str(exc).splitlines()[0]}") from None
+        with torch.device("meta"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+            except Exception as exc:  # noqa: BLE001 - any failure here is a config problem for the user
+                raise SpecError(
+                    f"cannot build model_type {mt!r} as a causal LM: {str(exc).splitlines()[0]}") from None
     counts: dict[tuple, int] = {}
     linear_params: set[int] = set()
     head_names = {n for n, m in model.named_modules() if m is model.get_output_embeddings()}
@@ -48,11 +97,15 @@ def model_spec_from_meta(config: dict, *, name: str, source: str = "") -> ModelS
     )
     other = sum(p.numel() for p in model.parameters() if id(p) not in linear_params)
     text = getattr(hf_cfg, "get_text_config", lambda: hf_cfg)()
-    h = int(text.hidden_size)
-    a = int(text.num_attention_heads)
+    try:
+        h = int(text.hidden_size)
+        a = int(text.num_attention_heads)
+        num_layers, vocab = int(text.num_hidden_layers), int(text.vocab_size)
+    except (AttributeError, TypeError) as exc:
+        raise SpecError(f"model_type {mt!r} is not a decoder-only transformer vramplan can model: "
+                        f"its config has no {str(exc).rsplit(' ', 1)[-1]}") from None
     return ModelSpec(
-        name=name, model_type=mt, config=config, vocab_size=int(text.vocab_size), hidden_size=h,
-        num_layers=int(text.num_hidden_layers), num_heads=a,
+        name=name, model_type=mt, config=config, vocab_size=vocab, hidden_size=h, num_layers=num_layers, num_heads=a,
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or a),
         head_dim=int(getattr(text, "head_dim", None) or h // a),
         intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * h),

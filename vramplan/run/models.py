@@ -7,6 +7,8 @@ that the step each of them runs is the same canonical step.
 
 from __future__ import annotations
 
+import warnings
+
 from ..specs import Setup, SpecError, truncate_config
 
 
@@ -54,15 +56,29 @@ def adapt_for_training(model, setup: Setup):
         import peft
 
         targets = setup.lora_targets
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
-            target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
+        with warnings.catch_warnings():
+            # peft 0.21's PeftModel reads transformers 5's deprecated is_gradient_checkpointing: not ours to act on
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = peft.get_peft_model(model, peft.LoraConfig(
+                r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
+                target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")]))
     if setup.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         if setup.adapters:
             model.enable_input_require_grads()
     model.train()
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """HF activation checkpointing of every layer with ``use_reentrant=False``: transformers 5's
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` is its deprecated alias,
+    gone in v6, and warns), the old name where an installed transformers 4 has only that."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def torch_optimizer(setup: Setup, params):

@@ -27,7 +27,8 @@ def flash_like():
             b, a, s, _ = q.shape
             out = q.new_empty(b, s, a, v.shape[-1]).transpose(1, 2)
             lse = q.new_empty(b, a, s, dtype=torch.float32)
-            # with a mask CUDA runs the memory-efficient kernel, which also keeps the mask (attn_bias)
+            # with a mask CUDA runs the memory-efficient kernel, which also keeps the mask (attn_bias:
+            # the additive one efficient_attn_bias builds)
             ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
             return out
 
@@ -37,6 +38,26 @@ def flash_like():
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
     return FlashLike
+
+
+def efficient_attn_bias(mask, query, key):
+    """What torch 2.13's SDPA makes of a boolean mask on CUDA (aten/src/ATen/native/transformers/
+    attention.cpp): ``convert_boolean_attn_mask`` builds a new additive mask in the query's dtype
+    (``where(mask, 0, -inf)``) at every call, and ``preprocess_mask`` expands it to (b, heads,
+    s_q, s_k) (a view) and pads the last dimension to a multiple of 16 (or copies it contiguous
+    when a stride is not a multiple of 16) for the memory-efficient kernel, which saves that
+    tensor (``attn_bias``) for backward. Every layer's call makes its own."""
+    import torch
+    import torch.nn.functional as F
+
+    bias = torch.where(mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=mask.device))
+    bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    s_k = bias.shape[-1]
+    if s_k % 16:
+        return F.pad(bias, (0, 16 - s_k % 16))[..., :s_k]
+    if any(stride % 16 for stride in bias.stride()[:3]):
+        return bias.contiguous()
+    return bias
 
 
 def autocast_inputs(*tensors):
@@ -84,7 +105,9 @@ def real_code_paths(padded: bool = False):
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.dim() == 4 and (attn_mask is None or attn_mask.dtype == torch.bool):
-            return flash_like().apply(*autocast_inputs(query, key, value), attn_mask)
+            query, key, value = autocast_inputs(query, key, value)
+            bias = None if attn_mask is None else efficient_attn_bias(attn_mask, query, key)
+            return flash_like().apply(query, key, value, bias)
         return orig_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
 

@@ -202,12 +202,16 @@ def _import_heavy() -> None:
 
 def _fork(request: dict, env: dict[str, str]) -> int:
     """Fork a child that runs ``request`` with ``env`` added to its environment; its pid."""
+    from .launch import die_with_parent
+
     sys.stdout.flush()
     sys.stderr.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: one measurement, then leave without running the parent's atexit
         code = 1
         try:
+            die_with_parent(parent)()  # a worker killed outright (OOM killer, kill -9) takes its children along
             os.environ.update(env)
             code = _run_and_write(request)
         finally:

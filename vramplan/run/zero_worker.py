@@ -192,8 +192,8 @@ def _build_model(config: dict, setup: Setup, cfg: dict, work: str):
             **({} if stage3 else {"device_map": "cpu"}))
     finally:
         unset_hf_deepspeed_config()
-    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    # checkpointing is adapt_for_training's (peft's would call the deprecated gradient_checkpointing_enable)
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_path: str = "", work: str = "") -> dict:

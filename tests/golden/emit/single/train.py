@@ -174,8 +174,9 @@ def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torc
     if quant is not None and "fsdp" not in PLAN:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=PLAN["checkpointing"],
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        # checkpointing is the Trainer's (CHECKPOINTING below); peft's would call the deprecated
+        # gradient_checkpointing_enable of transformers 5
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if PLAN["method"] in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
