@@ -708,6 +708,9 @@ def test_accelerate_config_with_a_training_config():
             ("lora_attn_modules",),
         ),
         ("base_model: [\n", ("not valid YAML",)),
+        # YAML's non-finite floats: an integer field, and a number field
+        ("base_model: x\nmicro_batch_size: .inf\n", ("micro_batch_size", "an integer")),
+        ("base_model: x\nadapter: lora\nlora_dropout: .nan\n", ("lora_dropout", "a finite number")),
     ],
 )
 def test_bad_input_is_one_line_naming_file_and_field(tmp_path, text, fragments):

@@ -52,15 +52,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def _gpu(gpu: Any):
     """A GpuSpec from a shipped name, a size string (``"24GiB"``), a byte count or a GpuSpec."""
     from .inputs import resolve_gpu
-    from .specs import GpuSpec
 
-    if gpu is None or isinstance(gpu, GpuSpec):
-        return gpu
-    if isinstance(gpu, str) and gpu[:1].isdigit():
-        return resolve_gpu(None, gpu, where="gpu")
-    if isinstance(gpu, int):
-        return resolve_gpu(None, gpu, where="gpu")
-    return resolve_gpu(gpu, None, where="gpu")
+    size = isinstance(gpu, int) or (isinstance(gpu, str) and gpu[:1].isdigit())
+    return resolve_gpu(None, gpu, where="gpu") if size else resolve_gpu(gpu, None, where="gpu")
 
 
 def _components(bd) -> dict[str, int]:

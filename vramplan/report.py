@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .fileio import atomic_write_text
 from .specs import PHASES, Breakdown, Plan
-from .units import GiB
+from .units import gib
 from .wording import describe
 
 #: Component -> (rich colour, HTML colour). Unknown components share the last entry's grey.
@@ -83,10 +83,6 @@ def memory_segments(bd: Breakdown) -> list[Segment]:
     return out
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:,.1f}"
-
-
 # ----------------------------------------------------------------------------------------------
 # terminal
 
@@ -121,7 +117,7 @@ def terminal_legend(bd: Breakdown, width: int = 80):
     text = Text()
     col = 0
     for seg in memory_segments(bd):
-        entry = f"{seg.name} {_gib(seg.bytes)}"
+        entry = f"{seg.name} {gib(seg.bytes, 1)}"
         if col and col + len(entry) + 2 > width:
             text.append("\n")
             col = 0
@@ -165,12 +161,12 @@ def breakdown_svg(bd: Breakdown, width: int = 880, height: int = 56) -> str:
         w = seg.bytes / scale * bar_w
         parts.append(f'<rect class="segment" x="{x:.2f}" y="4" width="{w:.2f}" height="{height}" '
                      f'fill="{seg.html_color}">'
-                     f'<title>{_e(seg.name)}: {_gib(seg.bytes)} GiB</title></rect>')
+                     f'<title>{_e(seg.name)}: {gib(seg.bytes, 1)} GiB</title></rect>')
         x += w
     lx = 10 + usable / scale * bar_w
     parts.append(f'<line x1="{lx:.2f}" y1="0" x2="{lx:.2f}" y2="{height + 8}" stroke="#c0392b" stroke-width="2" '
                  'stroke-dasharray="4 3"/>')
-    parts.append(f'<text x="{min(lx, width - 150):.2f}" y="{height + 22}">usable {_gib(usable)} GiB</text>')
+    parts.append(f'<text x="{min(lx, width - 150):.2f}" y="{height + 22}">usable {gib(usable, 1)} GiB</text>')
     parts.append(f'<text x="10" y="{height + 22}">0</text>')
     parts.append("</svg>")
     return "".join(parts)
@@ -198,7 +194,7 @@ def pareto_svg(plan: Plan, width: int = 880, height: int = 360) -> str:
     for i in range(6):
         gx = max_x * i / 5
         gy = max_y * i / 5
-        out.append(f'<text x="{sx(gx):.1f}" y="{top + ph + 16}" text-anchor="middle">{_gib(gx)}</text>')
+        out.append(f'<text x="{sx(gx):.1f}" y="{top + ph + 16}" text-anchor="middle">{gib(gx, 1)}</text>')
         out.append(f'<text x="{left - 6}" y="{sy(gy) + 4:.1f}" text-anchor="end">{gy:,.0f}</text>')
     out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">device memory (GiB)</text>')
     out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
@@ -214,7 +210,7 @@ def pareto_svg(plan: Plan, width: int = 880, height: int = 360) -> str:
         x, y = sx(mem), sy(tps)
         out.append(f'<circle class="point{" chosen" if chosen else ""}" cx="{x:.1f}" cy="{y:.1f}" '
                    f'r="{7 if chosen else 5}" fill="{fill}" fill-opacity="0.85">'
-                   f'<title>{_e(quality)}: {_gib(mem)} GiB, {tps:,.0f} tokens/s</title></circle>')
+                   f'<title>{_e(quality)}: {gib(mem, 1)} GiB, {tps:,.0f} tokens/s</title></circle>')
         text = f"{_e(quality)} (chosen)" if chosen else str(i)
         anchor = "end" if x > left + pw * 0.75 else "start"
         dx = -10 if anchor == "end" else 8
@@ -244,23 +240,23 @@ def html_report(plan: Plan, title: str | None = None) -> str:
     rows = []
     rows.append(f"<tr><th>setup</th><td>{_e(describe(plan.setup))}</td></tr>")
     if gpu is not None:
-        rows.append(f"<tr><th>memory</th><td>{_gib(bd.device_total_bytes)} GiB of "
-                    f"{_gib(gpu.usable_memory_bytes)} GiB usable"
-                    f" ({_gib(gpu.usable_memory_bytes - bd.device_total_bytes)} GiB headroom)</td></tr>")
+        rows.append(f"<tr><th>memory</th><td>{gib(bd.device_total_bytes, 1)} GiB of "
+                    f"{gib(gpu.usable_memory_bytes, 1)} GiB usable"
+                    f" ({gib(gpu.usable_memory_bytes - bd.device_total_bytes, 1)} GiB headroom)</td></tr>")
     if plan.tokens_per_s:
         rows.append(f"<tr><th>speed</th><td>~{plan.tokens_per_s:,.0f} tokens/s, {plan.step_time_s or 0:.2f} s per step "
                     f"(global batch {plan.global_batch})</td></tr>")
     if bd.host_bytes:
-        rows.append(f"<tr><th>host RAM</th><td>{_gib(bd.host_bytes)} GiB per GPU offloaded</td></tr>")
+        rows.append(f"<tr><th>host RAM</th><td>{gib(bd.host_bytes, 1)} GiB per GPU offloaded</td></tr>")
     if plan.host_ram_bytes:
-        rows.append(f"<tr><th>host RAM checked</th><td>{_gib(plan.host_ram_bytes)} GiB per node "
+        rows.append(f"<tr><th>host RAM checked</th><td>{gib(plan.host_ram_bytes, 1)} GiB per node "
                     f"({_e(plan.host_ram_source or 'given')})</td></tr>")
     legend = "".join(f'<span><i class="sw" style="background:{s.html_color}"></i>'
-                     f'{_e(s.name)} {_gib(s.bytes)} GiB</span>'
+                     f'{_e(s.name)} {gib(s.bytes, 1)} GiB</span>'
                      for s in memory_segments(bd))
     alt_rows = "".join(
         f"<tr><td class='num'>{i}</td><td>{_e(a.quality)}</td><td>{_e(describe(a.setup))}</td>"
-        f"<td class='num'>{_gib(a.device_total_bytes)}</td>"
+        f"<td class='num'>{gib(a.device_total_bytes, 1)}</td>"
         f"<td class='num'>{(a.tokens_per_s or 0):,.0f}</td><td>{_e(a.note)}</td></tr>"
         for i, a in enumerate(plan.alternatives, start=1))
     rej_rows = "".join(f"<tr><td>{_e(r.reason)}</td></tr>" for r in plan.rejected)

@@ -125,6 +125,6 @@ def fmt_bytes(n: float, unit: str = "GiB", digits: int = 2) -> str:
     return f"{n / div:,.{digits}f} {unit}"
 
 
-def gib(n: float) -> str:
-    """A byte count as a bare number of GiB with two decimals, e.g. ``"1.50"`` (no unit)."""
-    return f"{n / GiB:,.2f}"
+def gib(n: float, digits: int = 2) -> str:
+    """A byte count as a bare number of GiB, e.g. ``"1.50"`` (no unit; two decimals by default)."""
+    return f"{n / GiB:,.{digits}f}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import click
 
 from ..specs import SpecError
+from ..units import fmt_bytes
 from ..wording import describe
 from .options import (
     FLAG,
@@ -27,7 +28,7 @@ from .options import (
 
 
 def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1024**3:.3f} GiB"
+    return "-" if n is None else fmt_bytes(n, digits=3)
 
 
 def _is_plan_file(target: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from ..specs import ModelSpec, Plan, SpecError
+from ..units import fmt_bytes
 from ..wording import describe
 
 #: File names inside an emitted directory.
@@ -100,20 +101,16 @@ def launch_command(plan: Plan) -> str:
     return launch_commands(plan)[0]
 
 
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f} GiB"
-
-
 def estimate_line(plan: Plan) -> str:
     """One line: the estimate the files were made for (per GPU), the fit verdict and the speed."""
     bd = plan.breakdown
-    line = (f"{_gib(bd.device_total_bytes)} per GPU (device total; peak allocated {_gib(bd.peak_allocated_bytes)}, "
-            f"tensor peak {_gib(bd.tensor_peak_bytes)})")
+    line = (f"{fmt_bytes(bd.device_total_bytes)} per GPU (device total; "
+            f"peak allocated {fmt_bytes(bd.peak_allocated_bytes)}, tensor peak {fmt_bytes(bd.tensor_peak_bytes)})")
     if bd.host_bytes:
-        line += f", {_gib(bd.host_bytes)} host RAM"
+        line += f", {fmt_bytes(bd.host_bytes)} host RAM"
     if plan.gpu is not None:
         verdict = "fits" if plan.fits else "does NOT fit"
-        line += f" on {plan.gpu.display_name} ({_gib(plan.gpu.usable_memory_bytes)} usable): {verdict}"
+        line += f" on {plan.gpu.display_name} ({fmt_bytes(plan.gpu.usable_memory_bytes)} usable): {verdict}"
     if plan.tokens_per_s:
         line += f"; ~{plan.tokens_per_s:,.0f} tokens/s"
     return line

@@ -8,6 +8,7 @@ Torch-free: yaml and json only, through :mod:`vramplan.inputs` (its size and dep
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,8 @@ class Fields:
         value = self.data.get(key)
         if value is None or (auto_ok and value == "auto"):
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value != int(value)):
             raise self.bad(key, "an integer", value)
         return int(value)
 
@@ -111,8 +113,8 @@ class Fields:
         value = self.data.get(key)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.bad(key, "a number", value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.bad(key, "a finite number", value)
         return float(value)
 
     def str(self, key: str, default: Any = None) -> Any:
