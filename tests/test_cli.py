@@ -95,8 +95,17 @@ def test_estimate_json_setup_options_reach_the_setup():
         "optimizer": "adamw-8bit",
         "checkpointing": True, "attn": "eager", "batch": 2, "seq": 128, "grad_accum": 4, "zero_stage": 2,
         "offload_optimizer": "cpu", "offload_params": "none", "gpus": 2, "loss": "chunked", "pad_mask": True,
-        "fsdp": "none",
+        "fsdp": "none", **NEW_KNOBS_OFF,
     }
+
+
+#: The Setup fields added after the first ones, all at their defaults (off) in the run above.
+NEW_KNOBS_OFF = {
+    "modules_to_save": "", "dora": False, "activation_offload": False, "liger": False, "optimizer_in_backward": False,
+    "padding_free": False, "eval_batch": 0, "device_map": "none", "tp": 1, "cp": 1, "fsdp_version": 1,
+    "objective": "sft", "max_prompt_length": 0, "max_completion_length": 0, "num_generations": 8, "ref_model": "auto",
+    "generation": "hf", "vllm_memory_fraction": 0.3,
+}
 
 
 def test_defaults_are_setup_defaults():

@@ -52,6 +52,12 @@ MAX_COUNTS: dict[str, int] = {
     "global_batch": 1 << 24,     # sequences per optimizer step
     "tokens_per_step": 1 << 40,  # ~1.1T tokens per optimizer step
     "dataset_tokens": 10**16,
+    "eval_batch": 1 << 16,
+    "tp": 1 << 10,
+    "cp": 1 << 10,
+    "max_prompt_length": 1 << 24,
+    "max_completion_length": 1 << 24,
+    "num_generations": 1 << 12,
 }
 
 

@@ -3,17 +3,18 @@
 The model's own classes (ModelSpec, LinearSpec, MoeSpec, FamilyTraits) live in
 ``vramplan.modelspec`` and are re-exported here.
 
-Every field carries its unit in its name where it has one (``*_bytes``, ``*_tflops``). Validation
-lives in ``__post_init__`` and raises :class:`SpecError` with a message a user can act on.
+Setup lives in ``vramplan.setup_spec`` and SpecError in ``vramplan.errors``; both are re-exported
+here. Every field carries its unit in its name where it has one (``*_bytes``, ``*_tflops``).
+Validation lives in ``__post_init__`` and raises :class:`SpecError` with a message a user can act on.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, final
+from typing import Literal, final
 
 from .bands import CalibrationInfo, ErrorBands
+from .errors import SpecError
 from .modelspec import (
     FamilyTraits,
     LinearSpec,
@@ -22,46 +23,36 @@ from .modelspec import (
     MoeSpec,
     truncate_config,
 )
+from .setup_spec import (
+    ATTENTIONS,
+    DEVICE_MAPS,
+    FSDP_MODES,
+    GENERATIONS,
+    LOSSES,
+    METHODS,
+    OBJECTIVES,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    PREQUANTIZED,
+    QUANT_BITS,
+    QUANT_GROUP_SIZES,
+    QUANTS,
+    REF_MODELS,
+    Setup,
+)
 from .units import GiB
 
 __all__ = [
-    "ATTENTIONS", "FSDP_MODES", "LOSSES", "METHODS", "OFFLOADS", "OPTIMIZERS", "PHASES", "PRECISIONS",
-    "PREQUANTIZED", "QUANTS", "QUANT_BITS", "QUANT_GROUP_SIZES", "Alternative", "Breakdown", "Component",
+    "ATTENTIONS", "DEVICE_MAPS", "FSDP_MODES", "GENERATIONS", "LOSSES", "METHODS", "OBJECTIVES", "OFFLOADS",
+    "OPTIMIZERS", "PHASES", "PRECISIONS", "PREQUANTIZED", "QUANTS", "QUANT_BITS", "QUANT_GROUP_SIZES", "REF_MODELS",
+    "Alternative", "Breakdown", "Component",
     "FamilyTraits", "GpuSpec", "LinearSpec", "MlaDims", "ModelSpec", "MoeSpec", "Note", "NoteKind", "Plan",
     "RejectKind", "Rejected", "Setup", "SpecError", "truncate_config",
 ]
 
 
-class SpecError(ValueError):
-    """Invalid user input: a message fit to print as the one line of a CLI error."""
-
-
-METHODS = ("full", "lora", "qlora")
-QUANTS = ("none", "int8", "nf4", "fp4", "gptq", "awq")
-#: Pre-quantized bases (a GPTQ/AWQ checkpoint loaded through gptqmodel): the bits and group sizes
-#: their training kernels take (gptqmodel 7.7 TorchLinear / AwqGEMMLinear SUPPORTS_BITS/GROUP_SIZE).
-PREQUANTIZED = ("gptq", "awq")
-QUANT_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,)}
-QUANT_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
-PRECISIONS = ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed")
-OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "lion")
-ATTENTIONS = ("auto", "sdpa", "eager", "flash")
-OFFLOADS = ("none", "cpu", "nvme")
-LOSSES = ("hf", "chunked")
-#: PyTorch FSDP sharding as accelerate names it (lower case): none, or FULL_SHARD / SHARD_GRAD_OP /
-#: NO_SHARD (HYBRID_SHARD needs nodes and a 2-D mesh: not a Setup choice yet)
-FSDP_MODES = ("none", "full_shard", "shard_grad_op", "no_shard")
 PHASES = ("forward", "backward", "optimizer")
-
-
-def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise SpecError(f"{name} must be one of {', '.join(options)}; got {value!r}")
-
-
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SpecError(f"{name} must be a positive integer; got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,152 +88,6 @@ class GpuSpec:
     def custom(cls, memory_bytes: int) -> GpuSpec:
         return cls(name=f"custom-{memory_bytes / GiB:g}gib", display_name=f"custom GPU ({memory_bytes / GiB:.1f} GiB)",
                    usable_memory_bytes=memory_bytes)
-
-
-# ----------------------------------------------------------------------------------------------
-# Setup
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One training configuration. Defaults are the canonical step of docs/architecture.md:
-    full fine-tuning of a bf16 model with torch AdamW (foreach), no checkpointing."""
-
-    method: str = "full"
-    lora_rank: int = 16
-    lora_alpha: int | None = None  # None: 2 * lora_rank
-    lora_dropout: float = 0.0
-    lora_targets: str = "all-linear"  # peft vocabulary: "all-linear" or comma-separated module names
-    quant: str = "none"  # base weights: none | int8 | nf4 | fp4 (qlora defaults to nf4)
-    double_quant: bool = True
-    #: GPTQ/AWQ only: bits per weight and input channels per scale/zero group (-1: one group over
-    #: all input channels, i.e. per output channel)
-    quant_bits: int = 4
-    quant_group_size: int = 128
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    checkpointing: bool = False
-    attn: str = "auto"  # auto: what transformers picks for the family
-    batch: int = 1
-    seq: int = 2048
-    grad_accum: int = 1
-    zero_stage: int = 0
-    offload_optimizer: str = "none"
-    offload_params: str = "none"
-    gpus: int = 1
-    loss: str = "hf"
-    #: the batch carries a padded ``attention_mask`` (a collator padding to the longest sequence):
-    #: SDPA then gets an explicit boolean mask instead of ``is_causal``
-    pad_mask: bool = False
-    #: PyTorch FSDP (accelerate's FSDP1 plugin) sharding strategy; ``offload_params="cpu"`` with it
-    #: is FSDP's CPU offload (parameters, gradients and the optimizer step on the host)
-    fsdp: str = "none"
-
-    def __post_init__(self) -> None:
-        _choice("method", self.method, METHODS)
-        _choice("quant", self.quant, QUANTS)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("attn", self.attn, ATTENTIONS)
-        _choice("offload_optimizer", self.offload_optimizer, OFFLOADS)
-        _choice("offload_params", self.offload_params, OFFLOADS)
-        _choice("loss", self.loss, LOSSES)
-        for name in ("lora_rank", "batch", "seq", "grad_accum", "gpus"):
-            _positive(name, getattr(self, name))
-        if self.lora_alpha is not None:
-            _positive("lora_alpha", self.lora_alpha)
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise SpecError(f"lora_dropout must be in [0, 1); got {self.lora_dropout!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise SpecError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
-        if self.method == "qlora" and self.quant == "none":
-            object.__setattr__(self, "quant", "nf4")
-        if self.quant in PREQUANTIZED or (self.quant_bits, self.quant_group_size) != (4, 128):
-            self._check_prequantized()
-        if self.method == "full" and self.quant != "none":
-            raise SpecError("a quantized base cannot be fully fine-tuned; use --method lora/qlora or --quant none")
-        if self.method == "qlora" and self.quant == "int8":
-            raise SpecError("qlora means a 4-bit base; for an 8-bit base use --method lora --quant int8")
-        _choice("fsdp", self.fsdp, FSDP_MODES)
-        if self.fsdp != "none":
-            if self.zero_stage:
-                raise SpecError("use DeepSpeed ZeRO or FSDP, not both (--zero 0 or --fsdp none)")
-            if "nvme" in (self.offload_params, self.offload_optimizer):
-                raise SpecError("FSDP offloads to CPU only; NVMe offload needs DeepSpeed ZeRO (--zero)")
-            if self.offload_optimizer != "none" and self.offload_params == "none":
-                raise SpecError("FSDP's CPU offload moves parameters, gradients and the optimizer together: "
-                                "use --offload-params cpu")
-            if self.quant == "int8":  # torch 2.13 _flat_param.py, _validate_tensors_to_flatten
-                raise SpecError("FSDP cannot shard LLM.int8 weights (int8 tensors: \"Cannot flatten integer dtype "
-                                "tensors\"); use --quant nf4 or DeepSpeed ZeRO (--zero)")
-            if self.quant in ("nf4", "fp4") and self.precision.endswith("-mixed"):
-                raise SpecError("QLoRA under FSDP needs --precision bf16 or fp16: a -mixed load packs the 4-bit "
-                                "weights in fp32, which FSDP's MixedPrecision casts to 16 bits element by element "
-                                "(bitsandbytes then fails on the broken packing)")
-            if self.quant in ("nf4", "fp4") and self.fsdp == "shard_grad_op":
-                raise SpecError("QLoRA under FSDP SHARD_GRAD_OP fails in torch 2.13 (\"FSDP does not support changing "
-                                "the parameters between forward and backward\": bitsandbytes replaces the gathered "
-                                "4-bit weight in its forward to restore its quant state); use --fsdp full_shard")
-            if self.offload_params == "cpu":  # FSDP steps the optimizer where the shards are: the host
-                object.__setattr__(self, "offload_optimizer", "cpu")
-        elif self.offload_params != "none" and self.zero_stage != 3:
-            raise SpecError("offloading parameters needs ZeRO stage 3 (--zero 3) or FSDP (--fsdp)")
-        elif self.offload_optimizer != "none" and self.zero_stage == 0:
-            raise SpecError("offloading the optimizer needs ZeRO (--zero 1, 2 or 3)")
-        if not self.lora_targets.strip():
-            raise SpecError("lora_targets must name modules or be 'all-linear'")
-
-    def _check_prequantized(self) -> None:
-        """GPTQ/AWQ: LoRA on a pre-quantized checkpoint, in fp16/bf16, without ZeRO or FSDP."""
-        q = self.quant
-        if q not in PREQUANTIZED:
-            raise SpecError(f"--quant-bits and --quant-group-size apply to a GPTQ or AWQ base (--quant gptq|awq), "
-                            f"not {q}")
-        name = q.upper()
-        a = "an" if q == "awq" else "a"
-        if self.method == "full":
-            raise SpecError(f"{a} {name} base cannot be fully fine-tuned (its weights are packed integers); "
-                            f"use --method lora --quant {q}")
-        if self.method == "qlora":
-            raise SpecError(f"qlora means a bitsandbytes 4-bit base; for {a} {name} base use --method lora --quant {q}")
-        if self.quant_bits not in QUANT_BITS[q]:
-            raise SpecError(f"quant_bits must be one of {', '.join(map(str, QUANT_BITS[q]))} for {q}; "
-                            f"got {self.quant_bits!r}")
-        if self.quant_group_size not in QUANT_GROUP_SIZES[q]:
-            raise SpecError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES[q]))} for {q}; "
-                            f"got {self.quant_group_size!r}")
-        if self.precision not in ("bf16", "fp16"):
-            raise SpecError(f"{a} {name} base runs in fp16 or bf16 (its kernels' dtypes); use --precision fp16 or bf16")
-        if self.zero_stage or getattr(self, "fsdp", "none") != "none":
-            raise SpecError(f"{a} {name} base under DeepSpeed ZeRO or FSDP is not modelled (its packed weights are "
-                            "buffers they neither shard nor cast); use --zero 0 and no --fsdp")
-
-    @property
-    def adapters(self) -> bool:
-        return self.method in ("lora", "qlora")
-
-    @property
-    def alpha(self) -> int:
-        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
-
-    @property
-    def tokens(self) -> int:
-        """Tokens in one micro-batch (b * s)."""
-        return self.batch * self.seq
-
-    def replace(self, **changes: Any) -> Setup:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Setup:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SpecError(f"unknown setup key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
-        return cls(**data)
 
 
 # ----------------------------------------------------------------------------------------------

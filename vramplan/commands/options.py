@@ -24,13 +24,17 @@ import click
 
 from ..specs import (
     ATTENTIONS,
+    DEVICE_MAPS,
     FSDP_MODES,
+    GENERATIONS,
     LOSSES,
     METHODS,
+    OBJECTIVES,
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
     QUANTS,
+    REF_MODELS,
     Setup,
     SpecError,
 )
@@ -129,8 +133,9 @@ class Count(click.ParamType):
 
     name = "integer"
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, minimum: int = 1) -> None:
         self.key = key
+        self.minimum = minimum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         from ..inputs import MAX_COUNTS, count_shown
@@ -145,6 +150,8 @@ class Count(click.ParamType):
             number = int(text)
         if number > MAX_COUNTS[self.key]:
             self.fail(f"at most {MAX_COUNTS[self.key]:,}; got {count_shown(number)}", param, ctx)
+        if number < self.minimum == 0:
+            self.fail(f"must be 0 or more; got {number}", param, ctx)
         return number
 
 
@@ -223,6 +230,37 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk."),
     SetupOption("pad_mask", "--pad-mask/--no-pad-mask", None,
                 "Batches carry a padded attention_mask (SDPA gets an explicit mask)."),
+    SetupOption("modules_to_save", "--modules-to-save", None,
+                "Modules trained in full beside the adapters (peft modules_to_save), e.g. embed_tokens,lm_head."),
+    SetupOption("dora", "--dora/--no-dora", None, "DoRA adapters (peft use_dora)."),
+    SetupOption("activation_offload", "--activation-offload/--no-activation-offload", None,
+                "Offload saved activations to host memory (TRL/torchtune activation_offloading)."),
+    SetupOption("liger", "--liger/--no-liger", None,
+                "Liger kernels (use_liger_kernel): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."),
+    SetupOption("optimizer_in_backward", "--optimizer-in-backward/--no-optimizer-in-backward", None,
+                "Step each parameter in backward as its gradient is ready (torchtune optimizer_in_bwd)."),
+    SetupOption("padding_free", "--padding-free/--no-padding-free", None,
+                "Padding-free batches: batch x seq tokens in one row (TRL padding_free, flash varlen)."),
+    SetupOption("eval_batch", "--eval-batch", Count("eval_batch", minimum=0),
+                "Per-device eval batch when the run evaluates (0: no eval step)."),
+    SetupOption("device_map", "--device-map", click.Choice(DEVICE_MAPS),
+                "Split the layers over --gpus GPUs in one process (accelerate device_map)."),
+    SetupOption("tp", "--tp", Count("tp"), "Tensor-parallel degree."),
+    SetupOption("cp", "--cp", Count("cp"), "Context-parallel degree."),
+    SetupOption("fsdp_version", "--fsdp-version", click.Choice(["1", "2"]),
+                "accelerate fsdp_version: 1 (FlatParameter) or 2 (fully_shard).", callback=_stage),
+    SetupOption("objective", "--objective", click.Choice(OBJECTIVES), "Training objective (TRL's trainers)."),
+    SetupOption("max_prompt_length", "--max-prompt-length", Count("max_prompt_length", minimum=0),
+                "DPO/GRPO prompt tokens (0: from --seq)."),
+    SetupOption("max_completion_length", "--max-completion-length", Count("max_completion_length", minimum=0),
+                "DPO/GRPO completion tokens (0: from --seq)."),
+    SetupOption("num_generations", "--num-generations", Count("num_generations"), "GRPO completions per prompt."),
+    SetupOption("ref_model", "--ref-model", click.Choice(REF_MODELS),
+                "Reference model: auto (adapter-disabled base with LoRA, else a frozen copy), copy, adapter, "
+                "precomputed, none."),
+    SetupOption("generation", "--generation", click.Choice(GENERATIONS), "GRPO generation engine."),
+    SetupOption("vllm_memory_fraction", "--vllm-memory-fraction", float,
+                "GRPO with vLLM colocated: the share of each GPU vLLM takes (vllm_gpu_memory_utilization)."),
 )
 
 _BY_FIELD = {o.field: o for o in SETUP_OPTIONS}

@@ -1,0 +1,295 @@
+"""Setup: one training configuration, the frozen dataclass every stage reads.
+
+Defaults are the canonical step of docs/architecture.md (full fine-tuning of a bf16 model with
+torch AdamW, no checkpointing). Validation lives in ``__post_init__``, in one function per group
+of knobs, and raises :class:`SpecError` with a message naming the field (the CLI maps field names
+to the flags the user typed). Combinations that need the model or the GPU are checked in
+:mod:`vramplan.setup_checks`. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import SpecError, check_choice, check_positive
+
+__all__ = [
+    "ATTENTIONS", "DEVICE_MAPS", "FSDP_MODES", "GENERATIONS", "LOSSES", "METHODS", "OBJECTIVES", "OFFLOADS",
+    "OPTIMIZERS", "PRECISIONS", "PREQUANTIZED", "QUANTS", "QUANT_BITS", "QUANT_GROUP_SIZES", "REF_MODELS", "Setup",
+]
+
+METHODS = ("full", "lora", "qlora")
+QUANTS = ("none", "int8", "nf4", "fp4", "gptq", "awq")
+#: Pre-quantized bases (a GPTQ/AWQ checkpoint loaded through gptqmodel): the bits and group sizes
+#: their training kernels take (gptqmodel 7.7 TorchLinear / AwqGEMMLinear SUPPORTS_BITS/GROUP_SIZE).
+PREQUANTIZED = ("gptq", "awq")
+QUANT_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,)}
+QUANT_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
+PRECISIONS = ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "lion")
+ATTENTIONS = ("auto", "sdpa", "eager", "flash")
+OFFLOADS = ("none", "cpu", "nvme")
+LOSSES = ("hf", "chunked")
+#: PyTorch FSDP sharding as accelerate names it (lower case): none, or FULL_SHARD / SHARD_GRAD_OP /
+#: NO_SHARD (HYBRID_SHARD needs nodes and a 2-D mesh: not a Setup choice yet)
+FSDP_MODES = ("none", "full_shard", "shard_grad_op", "no_shard")
+#: accelerate's ``device_map`` placements of one process's layers over its GPUs (none: one GPU per process)
+DEVICE_MAPS = ("none", "auto", "balanced", "sequential")
+#: the training objective as TRL names its trainers (sft: SFTTrainer / the plain Trainer)
+OBJECTIVES = ("sft", "dpo", "orpo", "kto", "grpo")
+#: the reference model of DPO/KTO/GRPO: auto (peft's adapter-disabled base with adapters, a frozen
+#: copy otherwise), copy, adapter, precomputed (TRL precompute_ref_log_probs), none (GRPO beta=0)
+REF_MODELS = ("auto", "copy", "adapter", "precomputed", "none")
+#: GRPO's generation engine: HF generate, vLLM colocated on the training GPUs, or vLLM on other GPUs
+GENERATIONS = ("hf", "vllm-colocate", "vllm-server")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration. Defaults are the canonical step of docs/architecture.md:
+    full fine-tuning of a bf16 model with torch AdamW (foreach), no checkpointing."""
+
+    method: str = "full"
+    lora_rank: int = 16
+    lora_alpha: int | None = None  # None: 2 * lora_rank
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"  # peft vocabulary: "all-linear" or comma-separated module names
+    quant: str = "none"  # base weights: none | int8 | nf4 | fp4 (qlora defaults to nf4)
+    double_quant: bool = True
+    #: GPTQ/AWQ only: bits per weight and input channels per scale/zero group (-1: one group over
+    #: all input channels, i.e. per output channel)
+    quant_bits: int = 4
+    quant_group_size: int = 128
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    checkpointing: bool = False
+    attn: str = "auto"  # auto: what transformers picks for the family
+    batch: int = 1
+    seq: int = 2048
+    grad_accum: int = 1
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    gpus: int = 1
+    loss: str = "hf"
+    #: the batch carries a padded ``attention_mask`` (a collator padding to the longest sequence):
+    #: SDPA then gets an explicit boolean mask instead of ``is_causal``
+    pad_mask: bool = False
+    #: PyTorch FSDP (accelerate's FSDP1 plugin) sharding strategy; ``offload_params="cpu"`` with it
+    #: is FSDP's CPU offload (parameters, gradients and the optimizer step on the host)
+    fsdp: str = "none"
+    # ---- memory knobs of today's fine-tuning runs -------------------------------------------------
+    #: peft ``modules_to_save``: comma-separated module names (embed_tokens,lm_head) trained in full
+    #: beside the adapters; "" for none
+    modules_to_save: str = ""
+    #: DoRA (peft ``use_dora``): a magnitude vector per adapted Linear and the weight norm in forward
+    dora: bool = False
+    #: saved activations moved to host memory in forward and back in backward (TRL/torchtune
+    #: ``activation_offloading``, axolotl ``activation_offloading: true``)
+    activation_offload: bool = False
+    #: Liger kernels (``use_liger_kernel``): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE
+    liger: bool = False
+    #: each parameter stepped during backward as its gradient is ready (torchtune ``optimizer_in_bwd``)
+    optimizer_in_backward: bool = False
+    #: padding-free batches (TRL ``padding_free``, packing with position_ids): one row of
+    #: ``batch * seq`` tokens, flash-attention varlen
+    padding_free: bool = False
+    #: per-device eval batch (Trainer ``per_device_eval_batch_size``) when the run evaluates; 0: no eval
+    eval_batch: int = 0
+    # ---- model parallelism ----------------------------------------------------------------------
+    #: layers split over ``gpus`` GPUs of one process (accelerate ``device_map``)
+    device_map: str = "none"
+    #: tensor-parallel degree (transformers ``tp_plan="auto"``, accelerate ``ParallelismConfig(tp_size)``)
+    tp: int = 1
+    #: context-parallel degree (accelerate ``ParallelismConfig(cp_size)``)
+    cp: int = 1
+    #: accelerate ``fsdp_version``: 1 (FSDP1's FlatParameter) or 2 (``fully_shard``, DTensor)
+    fsdp_version: int = 1
+    # ---- objective ------------------------------------------------------------------------------
+    objective: str = "sft"
+    #: DPO family / GRPO prompt and completion lengths in tokens (0: derived from ``seq``)
+    max_prompt_length: int = 0
+    max_completion_length: int = 0
+    #: GRPO: completions sampled per prompt
+    num_generations: int = 8
+    ref_model: str = "auto"
+    generation: str = "hf"
+    #: GRPO with vLLM colocated: the share of each GPU vLLM reserves (``vllm_gpu_memory_utilization``)
+    vllm_memory_fraction: float = 0.3
+
+    def __post_init__(self) -> None:
+        check_choice("method", self.method, METHODS)
+        check_choice("quant", self.quant, QUANTS)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("attn", self.attn, ATTENTIONS)
+        check_choice("offload_optimizer", self.offload_optimizer, OFFLOADS)
+        check_choice("offload_params", self.offload_params, OFFLOADS)
+        check_choice("loss", self.loss, LOSSES)
+        for name in ("lora_rank", "batch", "seq", "grad_accum", "gpus"):
+            check_positive(name, getattr(self, name))
+        if self.lora_alpha is not None:
+            check_positive("lora_alpha", self.lora_alpha)
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise SpecError(f"lora_dropout must be in [0, 1); got {self.lora_dropout!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise SpecError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+        if self.method == "qlora" and self.quant == "none":
+            object.__setattr__(self, "quant", "nf4")
+        if self.quant in PREQUANTIZED or (self.quant_bits, self.quant_group_size) != (4, 128):
+            self._check_prequantized()
+        if self.method == "full" and self.quant != "none":
+            raise SpecError("a quantized base cannot be fully fine-tuned; use --method lora/qlora or --quant none")
+        if self.method == "qlora" and self.quant == "int8":
+            raise SpecError("qlora means a 4-bit base; for an 8-bit base use --method lora --quant int8")
+        check_choice("fsdp", self.fsdp, FSDP_MODES)
+        if self.fsdp != "none":
+            if self.zero_stage:
+                raise SpecError("use DeepSpeed ZeRO or FSDP, not both (--zero 0 or --fsdp none)")
+            if "nvme" in (self.offload_params, self.offload_optimizer):
+                raise SpecError("FSDP offloads to CPU only; NVMe offload needs DeepSpeed ZeRO (--zero)")
+            if self.offload_optimizer != "none" and self.offload_params == "none":
+                raise SpecError("FSDP's CPU offload moves parameters, gradients and the optimizer together: "
+                                "use --offload-params cpu")
+            if self.quant == "int8":  # torch 2.13 _flat_param.py, _validate_tensors_to_flatten
+                raise SpecError("FSDP cannot shard LLM.int8 weights (int8 tensors: \"Cannot flatten integer dtype "
+                                "tensors\"); use --quant nf4 or DeepSpeed ZeRO (--zero)")
+            if self.quant in ("nf4", "fp4") and self.precision.endswith("-mixed"):
+                raise SpecError("QLoRA under FSDP needs --precision bf16 or fp16: a -mixed load packs the 4-bit "
+                                "weights in fp32, which FSDP's MixedPrecision casts to 16 bits element by element "
+                                "(bitsandbytes then fails on the broken packing)")
+            if self.quant in ("nf4", "fp4") and self.fsdp == "shard_grad_op":
+                raise SpecError("QLoRA under FSDP SHARD_GRAD_OP fails in torch 2.13 (\"FSDP does not support changing "
+                                "the parameters between forward and backward\": bitsandbytes replaces the gathered "
+                                "4-bit weight in its forward to restore its quant state); use --fsdp full_shard")
+            if self.offload_params == "cpu":  # FSDP steps the optimizer where the shards are: the host
+                object.__setattr__(self, "offload_optimizer", "cpu")
+        elif self.offload_params != "none" and self.zero_stage != 3:
+            raise SpecError("offloading parameters needs ZeRO stage 3 (--zero 3) or FSDP (--fsdp)")
+        elif self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise SpecError("offloading the optimizer needs ZeRO (--zero 1, 2 or 3)")
+        if not self.lora_targets.strip():
+            raise SpecError("lora_targets must name modules or be 'all-linear'")
+        _check_knobs(self)
+        _check_parallelism(self)
+        _check_objective(self)
+
+    def _check_prequantized(self) -> None:
+        """GPTQ/AWQ: LoRA on a pre-quantized checkpoint, in fp16/bf16, without ZeRO or FSDP."""
+        q = self.quant
+        if q not in PREQUANTIZED:
+            raise SpecError(f"--quant-bits and --quant-group-size apply to a GPTQ or AWQ base (--quant gptq|awq), "
+                            f"not {q}")
+        name = q.upper()
+        a = "an" if q == "awq" else "a"
+        if self.method == "full":
+            raise SpecError(f"{a} {name} base cannot be fully fine-tuned (its weights are packed integers); "
+                            f"use --method lora --quant {q}")
+        if self.method == "qlora":
+            raise SpecError(f"qlora means a bitsandbytes 4-bit base; for {a} {name} base use --method lora --quant {q}")
+        if self.quant_bits not in QUANT_BITS[q]:
+            raise SpecError(f"quant_bits must be one of {', '.join(map(str, QUANT_BITS[q]))} for {q}; "
+                            f"got {self.quant_bits!r}")
+        if self.quant_group_size not in QUANT_GROUP_SIZES[q]:
+            raise SpecError(f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES[q]))} for {q}; "
+                            f"got {self.quant_group_size!r}")
+        if self.precision not in ("bf16", "fp16"):
+            raise SpecError(f"{a} {name} base runs in fp16 or bf16 (its kernels' dtypes); use --precision fp16 or bf16")
+        if self.zero_stage or getattr(self, "fsdp", "none") != "none":
+            raise SpecError(f"{a} {name} base under DeepSpeed ZeRO or FSDP is not modelled (its packed weights are "
+                            "buffers they neither shard nor cast); use --zero 0 and no --fsdp")
+
+    @property
+    def adapters(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+    @property
+    def alpha(self) -> int:
+        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch (b * s)."""
+        return self.batch * self.seq
+
+    def replace(self, **changes: Any) -> Setup:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Setup:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"unknown setup key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        return cls(**data)
+
+
+def _check_knobs(s: Setup) -> None:
+    """The memory knobs: adapters-only ones, and what each cannot be combined with."""
+    if s.modules_to_save.strip() and not s.adapters:
+        raise SpecError("modules_to_save trains whole modules beside LoRA adapters: use --method lora or qlora "
+                        "(full fine-tuning trains them already)")
+    if s.dora and not s.adapters:
+        raise SpecError("dora is a LoRA variant: use --method lora or qlora")
+    if s.optimizer_in_backward and s.grad_accum > 1:
+        raise SpecError("optimizer_in_backward steps each parameter in backward, so gradients cannot accumulate: "
+                        "use --grad-accum 1 (torchtune refuses optimizer_in_bwd with gradient accumulation)")
+    if s.optimizer_in_backward and s.zero_stage:
+        raise SpecError("optimizer_in_backward under DeepSpeed ZeRO is not how ZeRO steps; use --zero 0")
+    if isinstance(s.eval_batch, bool) or not isinstance(s.eval_batch, int) or s.eval_batch < 0:
+        raise SpecError(f"eval_batch must be a non-negative integer (0: no eval); got {s.eval_batch!r}")
+
+
+def _check_parallelism(s: Setup) -> None:
+    """Layer split, tensor/context parallelism and the FSDP version, against the GPU count."""
+    check_choice("device_map", s.device_map, DEVICE_MAPS)
+    check_positive("tp", s.tp)
+    check_positive("cp", s.cp)
+    if s.fsdp_version not in (1, 2):
+        raise SpecError(f"fsdp_version must be 1 or 2; got {s.fsdp_version!r}")
+    if s.fsdp_version == 2 and s.fsdp == "none":
+        raise SpecError("fsdp_version 2 is FSDP2: give a sharding strategy with --fsdp")
+    if s.device_map != "none":
+        if s.gpus < 2:
+            raise SpecError("device_map splits the layers over the GPUs of one process: use --gpus 2 or more")
+        if s.zero_stage or s.fsdp != "none" or s.tp > 1 or s.cp > 1:
+            raise SpecError("device_map places whole layers on GPUs in one process; it does not combine with "
+                            "ZeRO, FSDP or tensor/context parallelism")
+    if s.gpus % (s.tp * s.cp):
+        raise SpecError(f"gpus ({s.gpus}) must be a multiple of tp x cp ({s.tp} x {s.cp})")
+    if (s.tp > 1 or s.cp > 1) and s.zero_stage:
+        raise SpecError("tensor/context parallelism runs with FSDP2 data sharding (--fsdp), not DeepSpeed ZeRO")
+
+
+def _check_objective(s: Setup) -> None:
+    """The objective and its knobs: each given only with an objective that reads it."""
+    check_choice("objective", s.objective, OBJECTIVES)
+    check_choice("ref_model", s.ref_model, REF_MODELS)
+    check_choice("generation", s.generation, GENERATIONS)
+    for name in ("max_prompt_length", "max_completion_length"):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecError(f"{name} must be a non-negative integer (0: from seq); got {value!r}")
+    check_positive("num_generations", s.num_generations)
+    if not 0.0 < s.vllm_memory_fraction < 1.0:
+        raise SpecError(f"vllm_memory_fraction must be in (0, 1); got {s.vllm_memory_fraction!r}")
+    grpo_only = {"num_generations": 8, "generation": "hf", "vllm_memory_fraction": 0.3}
+    if s.objective != "grpo":
+        for name, default in grpo_only.items():
+            if getattr(s, name) != default:
+                raise SpecError(f"{name} applies to --objective grpo (got --objective {s.objective})")
+    elif s.num_generations < 2:
+        raise SpecError("num_generations must be at least 2 for GRPO (its advantages compare a prompt's completions)")
+    if s.objective == "sft":
+        for name in ("max_prompt_length", "max_completion_length"):
+            if getattr(s, name):
+                raise SpecError(f"{name} applies to --objective dpo/orpo/kto/grpo; SFT reads --seq")
+        if s.ref_model != "auto":
+            raise SpecError("ref_model applies to --objective dpo/kto/grpo")
+    if s.generation != "vllm-colocate" and s.vllm_memory_fraction != 0.3:
+        raise SpecError("vllm_memory_fraction applies to --generation vllm-colocate")
