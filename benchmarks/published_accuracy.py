@@ -1,6 +1,7 @@
 """Estimate vs published real-GPU peaks (calibration/published/records.jsonl). Prints; asserts nothing.
 
-    python benchmarks/published_accuracy.py            # per-row table, per-group summary, excluded rows with reasons
+    python benchmarks/published_accuracy.py            # per-row table, per-group summary, per-token slopes,
+                                                       # excluded rows with reasons
     python benchmarks/published_accuracy.py --json     # the same, machine-readable
     python benchmarks/published_accuracy.py --records PATH
     python benchmarks/published_accuracy.py --no-calibration   # the raw model (published device terms)
@@ -22,7 +23,16 @@ import time
 
 from vramplan.estimator.corrections import calibration_for
 from vramplan.profiles import load_gpu
-from vramplan.published import UNDER, compare, estimate_record, excluded, exclusion_counts, load_records, summarize
+from vramplan.published import (
+    UNDER,
+    compare,
+    estimate_record,
+    excluded,
+    exclusion_counts,
+    load_records,
+    summarize,
+    token_slopes,
+)
 
 
 def main() -> None:
@@ -38,10 +48,13 @@ def main() -> None:
 
     rows = sorted(compare(records, estimator=estimator), key=lambda r: (r.quantity, r.error))
     summary = summarize(rows)
+    slopes = token_slopes(records, rows)
     out = excluded(records)
     if args.json:
         print(json.dumps({"rows": [dict(r.__dict__, error=r.error) for r in rows],
                           "summary": [s.__dict__ for s in summary],
+                          "token_slopes": [dict(t.__dict__, excess_per_token=t.excess_per_token, error=t.error)
+                                           for t in slopes],
                           "excluded": [e.__dict__ for e in out]}, indent=2))
         return
     print(f"{'id':58s} {'family':8s} {'method':6s} {'quantity':9s} {'meas GiB':>9s} {'est GiB':>8s} {'error':>8s} "
@@ -55,6 +68,12 @@ def main() -> None:
     for s in summary:
         print(f"{s.group:12s} {s.key[:42]:42s} {s.rows:4d} {s.median_abs_error:9.1%} {s.p90_abs_error:8.1%} "
               f"{s.worst_error:+8.1%} {s.under_share:9.0%}")
+    print()
+    print("per-token slopes (rows differing only in the micro-batch; bytes per added token per GPU)")
+    for t in slopes:
+        err = "-" if t.error is None else f"{t.error:+.1%}"
+        print(f"  {t.ids[0][:52]:52s} -> {t.ids[1].rsplit('-', 1)[-1]:4s} {t.quantity:12s} {t.gpus} {t.fsdp:10s} "
+              f"meas {t.measured_per_token:9.0f}  est {t.estimated_per_token:9.0f}  {err:>7s}")
     print()
     print(f"{len(records)} records: {len({r.id for r in rows})} comparable ({len(rows)} rows), {len(out)} excluded")
     for reason, n in exclusion_counts(records):

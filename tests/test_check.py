@@ -426,15 +426,16 @@ checks:
     (check,) = load_specs([spec])
     read_setup = Setup(method="lora", lora_rank=16, lora_alpha=32, lora_dropout=0.05, batch=2, grad_accum=2,
                        lora_targets="gate_proj,down_proj,up_proj,q_proj,v_proj,k_proj,o_proj", seq=1024,
-                       optimizer="adamw-8bit", checkpointing=True, attn="flash", precision="bf16")
+                       optimizer="adamw-8bit", checkpointing=True, attn="flash", precision="bf16",
+                       padding_free=True)  # sample_packing with flash attention
     assert check.setup == read_setup  # the file's setup with the entry's override
     assert check.config == str(tmp_path / "cfg" / "lora.yml") and check.model == "llama-3.2-1b"
-    assert any("ignored: sample_packing" in w for w in check.warnings)
+    assert any("assumed: bf16" in w for w in check.warnings)
     result = CliRunner().invoke(main, ["check", str(spec), "--baseline", str(tmp_path / "b.json"), "--json",
                                        "--no-calibration"])
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)["results"]
-    assert any("sample_packing" in w for w in row["warnings"])
+    assert any("assumed: bf16" in w for w in row["warnings"])
     direct = estimate(load_model("llama-3.2-1b"), read_setup, load_gpu("rtx-4090"))
     assert row["device_total_bytes"] == direct.device_total_bytes
 

@@ -21,6 +21,7 @@ from vramplan.architecture import with_layers
 from vramplan.cli import main
 from vramplan.planfile import load_plan
 from vramplan.search import ALLOCATOR_ALLOWANCE_BYTES, DEFAULT_ERROR_BAND, DEFAULT_MARGIN, batch_shape, tier
+from vramplan.search.rank import LIGER_MIN_GAIN, residency
 from vramplan.specs import GpuSpec, Plan, SpecError
 
 GiB = 2**30
@@ -120,7 +121,7 @@ def test_nothing_fits_says_what_would_with_numbers():
 
 def test_tight_plans_say_so():
     fixed = {"method": "lora", "lora_rank": 16, "checkpointing": True, "optimizer": "adamw-fused", "batch": 1,
-             "zero_stage": 0, "attn": "auto"}
+             "zero_stage": 0, "attn": "auto", "liger": False}
     need = estimate(load_model("llama-3.2-1b"), Setup(**fixed), None).device_total_bytes
     plan = vramplan.plan("llama-3.2-1b", GpuSpec.custom(int(need * 1.02)), **fixed)
     assert plan.fits
@@ -212,16 +213,21 @@ def test_more_memory_never_makes_a_plan_slower(small, extra, model):
     less = vramplan.plan(model, GpuSpec.custom(small * GiB), global_batch=16, relax=False, **fixed)
     more = vramplan.plan(model, GpuSpec.custom((small + extra) * GiB), global_batch=16, relax=False, **fixed)
     if less.fits and not less.tight:
-        # a fixed method: the fastest setup of that method, so never slower with more memory
-        assert more.fits and more.tokens_per_s >= less.tokens_per_s * 0.999
+        # a fixed method: the fastest setup of that method, so never slower with more memory (but by
+        # less than Liger's minimum gain: a plan without its kernels is kept over one < 10 % faster)
+        assert more.fits and more.tokens_per_s >= less.tokens_per_s / (1 + LIGER_MIN_GAIN) * 0.999
     free_less = vramplan.plan(model, GpuSpec.custom(small * GiB), global_batch=16, relax=False)
     free_more = vramplan.plan(model, GpuSpec.custom((small + extra) * GiB), global_batch=16, relax=False)
     if free_less.fits and not free_less.tight:
-        # free method: more memory never lowers the quality tier, and at the same tier (and the
-        # same residency: both plans here are GPU-resident when they fit) never the speed
-        assert free_more.fits and tier(free_more.setup) >= tier(free_less.setup)
+        # free method: more memory never makes the plan less GPU-resident; at the same residency it
+        # never lowers the quality tier, and at the same tier never the speed (a plan that offloads on
+        # the smaller card may give way to a lower tier that stays on the larger one: residency first)
+        assert free_more.fits and residency(free_more.setup) <= residency(free_less.setup)
+        if residency(free_more.setup) < residency(free_less.setup):
+            return
+        assert tier(free_more.setup) >= tier(free_less.setup)
         if tier(free_more.setup) == tier(free_less.setup):
-            assert free_more.tokens_per_s >= free_less.tokens_per_s * 0.999
+            assert free_more.tokens_per_s >= free_less.tokens_per_s / (1 + LIGER_MIN_GAIN) * 0.999
 
 
 KNOBS = [("method", "lora"), ("method", "qlora"), ("lora_rank", 32), ("checkpointing", True),

@@ -210,6 +210,8 @@ def _cpu_runnable(s: Setup) -> str | None:
         return "fp16 training needs a GPU in the HF Trainer (use_cpu with fp16 is refused)"
     if s.attn == "flash":
         return "FlashAttention-2 needs CUDA"
+    if s.liger:
+        return "Liger's kernels are Triton (CUDA only)"
     if s.offload_optimizer != "none" or s.offload_params != "none":
         return "DeepSpeed CPU Adam compiles for minutes on a fresh 2-core machine"
     return None
@@ -230,7 +232,8 @@ def test_the_emitted_train_script_runs_a_step(plans, qid, tmp_path):
     s = plan.setup
     why = _cpu_runnable(s)
     cpu_setup = s.replace(batch=2, seq=32, grad_accum=1,
-                          precision="bf16" if s.precision.startswith("fp16") else s.precision, attn="auto")
+                          precision="bf16" if s.precision.startswith("fp16") else s.precision, attn="auto",
+                          liger=False)
     if why and _cpu_runnable(cpu_setup):
         pytest.skip(why)
     config = {**vramplan.load_model(plan.model).config, **TINY}
@@ -254,3 +257,17 @@ def test_the_emitted_train_script_runs_a_step(plans, qid, tmp_path):
         checkpoint = saved / "checkpoint-1"
         states = list(checkpoint.rglob("*optim*"))
         assert states and all(p.stat().st_size > 0 for p in states if p.is_file()), sorted(checkpoint.rglob("*"))
+
+
+def test_liger_only_when_it_buys_enough():
+    """Liger's kernels (a CUDA-only dependency) are taken for what they buy: not for a few per cent
+    (a larger micro-batch on the 4090 is < 10 % faster), but where they keep a better tier in reach
+    (full fine-tuning of Llama 3.2 1B at 8k tokens on a 12 GB card fits only with them)."""
+    from vramplan.search.rank import LIGER_MIN_GAIN
+
+    p = vramplan.plan("llama-3.1-8b", "rtx-4090")
+    assert p.fits and not p.setup.liger
+    faster = [a for a in p.alternatives if a.setup.liger and a.setup.method == p.setup.method]
+    assert all(a.tokens_per_s < (1 + LIGER_MIN_GAIN) * p.tokens_per_s for a in faster)
+    q = vramplan.plan("meta-llama/Llama-3.2-1B", "rtx-3060-12gb", seq=8192)
+    assert q.fits and q.setup.method == "full" and q.setup.liger

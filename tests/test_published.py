@@ -123,9 +123,52 @@ def test_summary_arithmetic_on_three_rows():
     assert pub.excluded(recs) == [pub.Excluded("x", "o/r", "because")]
 
 
+def test_token_slopes_pair_rows_that_differ_only_in_the_micro_batch():
+    """Two runs of one setup at batch 2 and 4 (seq 100): the slope is the byte difference over the
+    200 added tokens, measured and estimated; a run differing in anything else (gpus) or of another
+    quantity is not paired with them, and a lone run gives no slope."""
+    def rec(i, batch, gpus, est, meas):
+        return {"id": f"r{i}", "comparable": True, "source": {"repo": "o/r"}, "model": "m", "quantity": "allocated",
+                "setup": {"method": "lora", "batch": batch, "seq": 100, "gpus": gpus, "fsdp": "none"},
+                "measured_bytes": meas, "est": est, "approximations": [], "versions": {}}
+
+    class Est:
+        def __init__(self, n):
+            self.peak_allocated_bytes, self.phase = n, "forward"
+
+    recs = [rec(1, 2, 1, 1000, 1100), rec(2, 4, 1, 1400, 1700), rec(3, 4, 2, 900, 990)]
+    rows = pub.compare(recs, estimator=lambda r: Est(r["est"]), family=lambda r: "llama")
+    (slope,) = pub.token_slopes(recs, rows)
+    assert slope.ids == ("r1", "r2") and slope.tokens == (200, 400) and slope.gpus == 1
+    assert slope.measured_per_token == pytest.approx(3.0) and slope.estimated_per_token == pytest.approx(2.0)
+    assert slope.excess_per_token == pytest.approx(1.0) and slope.error == pytest.approx(2 / 3 - 1)
+    flat = pub.token_slopes([rec(4, 2, 1, 5, 5), rec(5, 4, 1, 5, 6)],
+                            pub.compare([rec(4, 2, 1, 5, 5), rec(5, 4, 1, 5, 6)], estimator=lambda r: Est(r["est"]),
+                                        family=lambda r: "llama"))
+    assert flat[0].estimated_per_token == 0 and flat[0].error is None  # an optimizer-step peak: no token moves it
+
+
 def test_comparable_rows_do_not_drop_out(records):
     comparable = sum(r["comparable"] for r in records)
     assert len(records) >= MIN_RECORDS
     assert comparable >= MIN_COMPARABLE, (
         f"{comparable} comparable records, {MIN_COMPARABLE} before: a row dropped out (see each record's exclusion)")
     assert comparable / len(records) >= MIN_COMPARABLE / MIN_RECORDS
+
+
+def test_validate_published_prints_and_emits_the_token_slopes():
+    """`vramplan validate --published`: the slopes section in the text and `token_slopes` in --json,
+    one per run configuration measured at two micro-batches (the fms Mistral LoRA 1-GPU pair among them)."""
+    from click.testing import CliRunner
+
+    from vramplan.cli import main
+
+    text = CliRunner().invoke(main, ["validate", "--published"])
+    assert text.exit_code == 0, text.output
+    assert "per-token slopes" in text.output
+    out = CliRunner().invoke(main, ["validate", "--published", "--json"])
+    assert out.exit_code == 0, out.output
+    slopes = json.loads(out.output)["token_slopes"]
+    pair = ["fms-a100_80gb-16-Mistral-7B-v0.1-lora-g1-bs4", "fms-a100_80gb-csv34-Mistral-7B-v0.1-lora-g1-bs8"]
+    (one,) = [t for t in slopes if t["ids"] == pair and t["quantity"] == "allocated"]
+    assert one["tokens"] == [16384, 32768] and one["measured_per_token"] == pytest.approx(734762)

@@ -15,7 +15,7 @@ from vramplan.estimator.stack import (
     stack_from_versions,
 )
 from vramplan.profiles import load_model
-from vramplan.published import estimate_record, load_records, resolve_model
+from vramplan.published import compare, estimate_record, load_records, resolve_model, token_slopes
 from vramplan.specs import Setup
 from vramplan.units import bnb_4bit_tensor_bytes
 
@@ -54,6 +54,18 @@ def test_the_shifted_logits_copy_is_b_s_minus_1_v_fp32_at_the_forward_loss():
     assert not any(n.startswith("models transformers") for n in five.notes)
 
 
+def test_at_micro_batch_one_the_shifted_slice_is_contiguous_and_not_copied():
+    """``logits[..., :-1, :]`` of a [1, s, V] tensor is contiguous, so 4.46-4.48's ``.contiguous()``
+    returns it as is (the 4.48.1 loss on the CPU counter: +321,260 B/token at batch 1, +450,992
+    at batch 2, vocab 32000): the forward equals transformers 5's."""
+    model = resolve_model(MISTRAL)
+    one, two = (Setup(method="lora", checkpointing=True, batch=b, seq=4096) for b in (1, 2))
+    four = Stack("4.48.1")
+    assert estimate(model, one, stack=four).phase_peaks_bytes == estimate(model, one).phase_peaks_bytes
+    forward = [estimate(model, two, stack=s).phase_peaks_bytes["forward"] for s in (four, DEFAULT_STACK)]
+    assert forward[0] - forward[1] == 4 * 2 * 4095 * model.vocab_size
+
+
 def test_the_default_stack_states_the_versions_it_models():
     assert Stack().describe().startswith("transformers 5, torch 2.13")
     assert set(MODELLED_VERSIONS) >= {"transformers", "torch", "peft", "accelerate", "bitsandbytes", "flash-attn"}
@@ -90,3 +102,53 @@ def test_a_quantized_moe_states_what_transformers_4_would_take(quant):
     assert any("transformers 4.48.1 quantizes the per-expert" in n for n in four.notes)
     assert moe_experts_4x_saving_bytes(spec, Setup(method="lora")) == 0
     assert moe_experts_4x_saving_bytes(load_model("llama-3.1-8b"), setup) == 0
+
+
+FSDP_LORA_PAIR = ("fms-a100_80gb-17-Mistral-7B-v0.1-lora-g2-bs2", "fms-a100_80gb-19-Mistral-7B-v0.1-lora-g2-bs4")
+ONE_GPU_LORA_PAIR = tuple(EXACT_MISTRAL_LORA)
+
+
+def _allocated_slope(ids):
+    records = load_records()
+    rows = [r for r in compare([r for r in records if r["id"] in ids]) if r.quantity == "allocated"]
+    (slope,) = token_slopes(records, rows)
+    assert slope.ids == ids
+    return slope
+
+
+def test_one_gpu_mistral_lora_per_token_slope_within_one_percent():
+    """What one more token costs on one GPU (bs4 -> bs8, fms-acceleration, transformers 4.48.1):
+    734,762 B measured, within 1 % estimated: the per-token terms of the single-GPU step hold."""
+    slope = _allocated_slope(ONE_GPU_LORA_PAIR)
+    assert abs(slope.error) < 0.01
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open (issue 13): on 2 GPUs under FSDP the same LoRA step costs ~100 KB more per token than on "
+    "one GPU (831,904 vs 734,762 B measured; Mixtral's FSDP pair shows +141 KB), while 2-rank CPU "
+    "truths of FSDP1 (torch 2.13, with transformers 5/peft 0.21/accelerate 1.15 and with the rows' "
+    "transformers 4.48.1/peft 0.13.2/accelerate 1.0.1, reentrant checkpointing or not, and through "
+    "4.48.1's HF Trainer with and without bf16 AMP: calibration/published/fsdp_trainer_probe.py) show "
+    "no such term: it is in torch 2.4.1's CUDA FSDP path, flash-attn or TRL/fms-hf-tuning, not yet "
+    "explained (calibration/published/README.md lists what was ruled out)"))
+def test_fsdp_mistral_lora_per_token_slope_within_three_percent():
+    """The FSDP pair's measured slope against the estimate's (the estimate's per-token terms under
+    FSDP are the single-GPU ones). Strict: passes, and so fails here, once the term is modelled."""
+    slope = _allocated_slope(FSDP_LORA_PAIR)
+    assert abs(slope.error) < 0.03
+
+
+def test_moe_lora_off_the_experts_builds_no_merged_expert_copy():
+    """LoRA on q/k/v/o of Mixtral: peft 0.21 wraps no 3-D expert parameter (no ParamWrapper), so no
+    merged copy of the expert stack exists; with all-linear it does. The fake-tensor trace of the
+    real step agrees to the MiB at seq 1024 and 2048 (87.86 / 88.57 GiB: `vramplan trace
+    mixtral-8x7b --method lora --lora-targets q_proj,k_proj,v_proj,o_proj --checkpointing --seq
+    1024`); fms-acceleration's 2-GPU Mixtral LoRA rows moved from +6.7 / +9.5 % to +0.9 / +3.0 %."""
+    from vramplan.estimator.activations import moe_lora_weight_bytes
+
+    spec = load_model("mixtral-8x7b")
+    attention = Setup(method="lora", lora_targets="q_proj,k_proj,v_proj,o_proj", checkpointing=True)
+    assert moe_lora_weight_bytes(spec, attention) == 0
+    assert moe_lora_weight_bytes(spec, Setup(method="lora", checkpointing=True)) > 0
+    est = estimate(spec, attention)
+    assert est.component("recompute") < 2**30 * (attention.tokens / 2048)  # no 2.6 GiB expert stack per layer

@@ -47,6 +47,7 @@ EXPECTED = {
         "facebook/detr-resnet-50",
         {
             "batch": 8,
+            "eval_batch": 8,  # do_eval: the Trainer's per_device_eval_batch_size default
             "grad_accum": 1,
             "checkpointing": False,
             "optimizer": "adamw-fused",
@@ -83,6 +84,8 @@ EXPECTED = {
             "precision": "bf16",
             "offload_params": "cpu",
             "fsdp": "full_shard",
+            "liger": True,
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "axolotl/fft-8b.yaml": (
@@ -97,6 +100,7 @@ EXPECTED = {
             "attn": "flash",
             "optimizer": "paged-adamw-8bit",
             "precision": "bf16",
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "axolotl/llama-2-fft_optimized.yml": (
@@ -111,6 +115,7 @@ EXPECTED = {
             "attn": "flash",
             "optimizer": "adamw-8bit",
             "precision": "bf16",
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "axolotl/llama-2-lora.yml": (
@@ -130,6 +135,7 @@ EXPECTED = {
             "attn": "flash",
             "optimizer": "adamw-8bit",
             "precision": "bf16",
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "axolotl/lora-1b.yml": (
@@ -148,6 +154,7 @@ EXPECTED = {
             "attn": "flash",
             "optimizer": "adamw-8bit",
             "precision": "bf16",
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "axolotl/mistral-qlora.yml": (
@@ -166,6 +173,7 @@ EXPECTED = {
             "attn": "flash",
             "optimizer": "adamw-8bit",
             "precision": "bf16",
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "axolotl/qlora-1b.yml": (
@@ -184,6 +192,7 @@ EXPECTED = {
             "attn": "flash",
             "optimizer": "adamw-8bit",
             "precision": "bf16",
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "axolotl/stablelm-2-1.6b-fft.yml": (
@@ -198,6 +207,7 @@ EXPECTED = {
             "attn": "flash",
             "optimizer": "adamw-8bit",
             "precision": "bf16",
+            "padding_free": True,  # sample_packing with flash attention
         },
     ),
     "llamafactory/examples/deepspeed/ds_z0_config.json": (
@@ -399,6 +409,7 @@ EXPECTED = {
             "checkpointing": False,
             "precision": "bf16",
             "optimizer": "paged-adamw-8bit",
+            "optimizer_in_backward": True,  # optimizer_in_bwd: True
         },
     ),
     "torchtune/llama3_2_1B_lora_single_device.yaml": (
@@ -471,6 +482,7 @@ EXPECTED = {
             "seq": 8192,
             "attn": "flash",
             "precision": "bf16",
+            "loss": "trl",  # SFTTrainer's fused LM head (TRL 1.16)
         },
     ),
     "trl/zephyr-7b-beta-dpo-config_qlora.yaml": (
@@ -491,6 +503,7 @@ EXPECTED = {
             "quant": "nf4",
             "double_quant": False,
             "precision": "bf16",
+            "loss": "trl",  # SFTTrainer's fused LM head (TRL 1.16)
         },
     ),
     "trl/zephyr-7b-beta-sft-config_full.yaml": (
@@ -504,6 +517,7 @@ EXPECTED = {
             "seq": 2048,
             "attn": "flash",
             "precision": "bf16",
+            "loss": "trl",  # SFTTrainer's fused LM head (TRL 1.16)
         },
     ),
     "trl/zephyr-7b-beta-sft-config_qlora.yaml": (
@@ -524,6 +538,7 @@ EXPECTED = {
             "quant": "nf4",
             "double_quant": False,
             "precision": "bf16",
+            "loss": "trl",  # SFTTrainer's fused LM head (TRL 1.16)
         },
     ),
 }
@@ -611,22 +626,17 @@ def test_estimate_from_the_file_equals_the_explicit_flags(name):
 def test_warnings_name_the_ignored_fields():
     read = read_config(CONFIGS / "axolotl/fft-8b-liger-fsdp.yaml")
     ignored = {w.field for w in read.warnings if w.kind == "ignored"}
-    assert {
-        "sample_packing",
-        "liger_rope",
-        "liger_rms_norm",
-        "liger_glu_activation",
-        "liger_fused_linear_cross_entropy",
-    } <= ignored
-    packing = next(w for w in read.warnings if w.field == "sample_packing")
-    assert str(packing) == "ignored: sample_packing (packing is not modelled: sequences of sequence_len (4096) assumed)"
+    assert "sample_packing" not in ignored and read.setup.padding_free  # multipack with flash attention
+    assert not any(name.startswith("liger_") for name in ignored)  # LigerPlugin with its kernels: --liger
     tt = {w.field for w in read_config(CONFIGS / "torchtune/llama3_2_1B_full_single_device.yaml").warnings}
-    assert {"optimizer_in_bwd", "tokenizer.max_seq_len", "loss._component_"} <= tt
+    assert {"tokenizer.max_seq_len", "loss._component_"} <= tt
+    assert "optimizer_in_bwd" not in tt  # mapped: --optimizer-in-backward
     lf = {w.field for w in read_config(CONFIGS / "llamafactory/galore_llama3_full_sft.yaml").warnings}
     assert "use_galore" in lf
     result = CliRunner().invoke(main, ["estimate", str(CONFIGS / "axolotl/fft-8b.yaml"), "--model", "llama-3.1-8b"])
     assert result.exit_code == 0
-    assert "warning: " in result.stderr and "ignored: sample_packing" in result.stderr
+    assert "warning: " in result.stderr and "assumed: bf16" in result.stderr
+    assert "sample_packing" not in result.stderr  # mapped: --padding-free (flash attention)
 
 
 def test_detection():
@@ -780,3 +790,192 @@ def test_forcing_is_allowed_between_hf_and_trl_and_on_undetected_files(tmp_path)
     with pytest.raises(SpecError, match="not a training config"):
         read_config(cfg)
     assert read_config(cfg, format="axolotl").format == "axolotl"
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL / HF command lines (vramplan.readers.trl_args), unknown TrainingArguments fields, FSDP's bf16
+
+
+def test_trl_flags_parse_as_hf_argument_parser_does():
+    from vramplan.readers import read_trl_args
+
+    read = read_trl_args(
+        "--model_name_or_path Qwen/Qwen2-0.5B --per-device-train-batch-size 2 --gradient_accumulation_steps=4 "
+        "--use_peft --lora_r 32 --lora_alpha 16 --lora_target_modules q_proj k_proj v_proj --no_gradient_checkpointing "
+        "--bf16 false --model_init_kwargs '{\"dtype\": \"bfloat16\"}' --max_length 512 --foo 3 --output_dir out")
+    assert read.format == "trl" and read.model == "Qwen/Qwen2-0.5B"
+    assert read.setup == Setup(method="lora", lora_rank=32, lora_alpha=16, lora_dropout=0.05,
+                               lora_targets="q_proj,k_proj,v_proj", precision="bf16", optimizer="adamw-fused",
+                               checkpointing=False, batch=2, seq=512, grad_accum=4, loss="trl")
+    assert "ignored: --foo (not a TrainingArguments/TRL field vramplan reads)" in {str(w) for w in read.warnings}
+    # a list of words is the same as the string; a bare boolean is True; hf reads TrainingArguments only
+    assert read_trl_args(["--use_peft", "--max_length", "128"]).setup.method == "lora"
+    hf = read_trl_args("--per_device_train_batch_size 3 --gradient_checkpointing --bf16", format="hf")
+    assert (hf.format, hf.setup.batch, hf.setup.checkpointing, hf.setup.precision) == ("hf", 3, True, "bf16")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--per_device_train_batch_size two", "--per_device_train_batch_size must be an integer"),
+    ("--use_peft maybe", "--use_peft takes true or false"),
+    ("--lora_r", "--lora_r needs a value"),
+])
+def test_bad_trl_flags_are_one_line(argv, message):
+    from vramplan.readers import read_trl_args
+
+    with pytest.raises(SpecError, match=re.escape(message)):
+        read_trl_args(argv)
+
+
+def test_command_file_reads_the_launcher_the_config_and_the_flags(tmp_path):
+    run = tmp_path / "run.sh"
+    run.write_text(
+        "#!/bin/bash\n# SFT on 8 GPUs\n"
+        f"ACCELERATE_LOG_LEVEL=info accelerate launch --config_file {CONFIGS / 'accelerate/handbook_zero3.yaml'} \\\n"
+        f"  trl/scripts/sft.py --config {CONFIGS / 'trl/example_config.yaml'} \\\n"
+        "  --per_device_train_batch_size 4 --max_length 1024 --dtype bfloat16\n")
+    read = read_config(run)
+    assert read.format == "trl" and read.model == "Qwen/Qwen2.5-0.5B" and read.gpus == 8
+    base = read_config(CONFIGS / "trl/example_config.yaml", accelerate=CONFIGS / "accelerate/handbook_zero3.yaml")
+    # the flags win over the --config YAML; the accelerate config gives ZeRO-3 on 8 GPUs
+    # (bf16 weights: SFTTrainer's fused head is modelled, loss trl; the YAML's bf16 autocast reads loss hf)
+    assert base.setup.loss == "hf" and any(w.field == "loss" for w in base.warnings)
+    assert read.setup == base.setup.replace(batch=4, seq=1024, precision="bf16", loss="trl")
+    assert (read.setup.zero_stage, read.setup.gpus) == (3, 8)
+    runner = CliRunner()
+    from_file = runner.invoke(main, ["estimate", str(run), "--model", "qwen2-0.5b", "--json"])
+    assert from_file.exit_code == 0, from_file.output
+    explicit = runner.invoke(main, ["estimate", "qwen2-0.5b", *_flags(read.fields), "--json"])
+    assert explicit.exit_code == 0, explicit.output
+    assert json.loads(from_file.stdout) == json.loads(explicit.stdout)
+    # `trl sft` itself, TRL's --num_processes, a predefined accelerate config name is a warning
+    cmd = tmp_path / "cmd.txt"
+    cmd.write_text("trl sft --model_name_or_path x --num_processes 2 --accelerate_config zero2 --use_peft\n")
+    read = read_config(cmd)
+    assert read.gpus == 2 and read.setup.method == "lora"
+    assert any(w.field == "--accelerate_config" and "zero2" in w.why for w in read.warnings)
+    empty = tmp_path / "empty.sh"
+    empty.write_text("#!/bin/sh\necho hi\n")
+    assert_user_error(runner.invoke(main, ["estimate", str(empty)]), "no command line with flags")
+
+
+def test_unknown_training_arguments_fields_are_warnings(tmp_path):
+    cfg = tmp_path / "args.json"
+    cfg.write_text(json.dumps({"per_device_batch_size": 4, "per_device_train_batch_size": 2, "learning_rate": 1e-4,
+                               "evaluation_strategy": "epoch", "model_name_or_path": "x"}))
+    read = read_config(cfg)
+    ignored = {w.field: w.why for w in read.warnings if w.kind == "ignored"}
+    # a misspelt field and one transformers 5 removed (evaluation_strategy -> eval_strategy)
+    assert set(ignored) == {"per_device_batch_size", "evaluation_strategy"}
+    assert "not a field of TrainingArguments (transformers 5.24.0)" in ignored["per_device_batch_size"]
+    assert read.setup.batch == 2
+    # TRL's own fields are known in a TRL config, not in a plain TrainingArguments file
+    trl = tmp_path / "sft.yaml"
+    trl.write_text("model_name_or_path: x\nuse_peft: true\npacking_strategy: bfd\nenv: {A: 1}\nnot_a_field: 1\n")
+    assert {w.field for w in read_config(trl).warnings if "not a field" in w.why} == {"not_a_field"}
+
+
+def test_activation_checkpointing_is_transformers_5_name(tmp_path):
+    cfg = tmp_path / "args.yaml"
+    cfg.write_text("per_device_train_batch_size: 1\nactivation_checkpointing: true\n"
+                   "activation_checkpointing_kwargs: {every_n_layers: 2}\n")
+    read = read_config(cfg, format="hf")
+    assert read.setup.checkpointing is True
+    assert "activation_checkpointing_kwargs.every_n_layers" in {w.field for w in read.warnings}
+    # the new name wins over its deprecated alias (TrainingArguments.__post_init__)
+    cfg.write_text("per_device_train_batch_size: 1\nactivation_checkpointing: false\ngradient_checkpointing: true\n")
+    assert read_config(cfg, format="hf").setup.checkpointing is False
+
+
+@pytest.mark.parametrize("fields, precision", [
+    # accelerate upcasts trainable flat parameters to fp32 under mixed_precision: bf16-mixed, whatever the load
+    ("dtype: bfloat16\nbf16: true\n", "bf16-mixed"),
+    ("dtype: float32\nbf16: true\n", "bf16-mixed"),
+    # no flag: no MixedPrecision policy, the shards stay as loaded
+    ("dtype: bfloat16\nbf16: false\n", "bf16"),
+    ("dtype: float32\n", "fp32"),
+])
+def test_fsdp_bf16_flag_is_mixed_precision_with_fp32_shards(tmp_path, fields, precision):
+    cfg = tmp_path / "args.yaml"
+    cfg.write_text(f"per_device_train_batch_size: 1\nfsdp: full_shard auto_wrap\n{fields}")
+    read = read_config(cfg, format="hf")
+    assert (read.setup.fsdp, read.setup.precision) == ("full_shard", precision)
+
+
+def test_fsdp_bf16_flag_over_a_16_bit_lora_base_stays_pure(tmp_path):
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text("model_name_or_path: x\nuse_peft: true\nfsdp: full_shard\ndtype: bfloat16\nbf16: true\n")
+    read = read_config(cfg)
+    assert (read.setup.method, read.setup.precision) == ("lora", "bf16")
+    assert any(w.kind == "assumed" and "frozen base stays bf16" in w.why for w in read.warnings)
+
+
+def _generated_fields() -> str:
+    """vramplan/readers/hf_fields.py as the installed transformers' and trl's parsers give it."""
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    from transformers import HfArgumentParser, TrainingArguments
+    from transformers.hf_argparser import string_to_bool
+
+    dict_fields = set(TrainingArguments._VALID_DICT_FIELDS) | {"model_init_kwargs", "ref_model_init_kwargs",
+                                                                "dataset_kwargs"}
+
+    def kinds_of(cls) -> dict[str, str]:
+        parser = HfArgumentParser((cls,))
+        negated = {a.dest for a in parser._actions if any(o.startswith("--no_") for o in a.option_strings)}
+        out = {}
+        for a in parser._actions:
+            if not a.option_strings or a.dest == "help" or any(o.startswith("--no_") for o in a.option_strings):
+                continue
+            if a.dest in dict_fields:
+                kind = "dict"
+            elif a.type is string_to_bool:
+                kind = "bool_true" if a.dest in negated else "bool"
+            elif a.nargs == "+":
+                kind = "list"
+            else:
+                kind = {int: "int", float: "float"}.get(a.type, "str")
+            out[a.dest] = kind
+        return out
+
+    ta = kinds_of(TrainingArguments)
+    own: dict[str, str] = {}
+    for cls in (trl.ScriptArguments, trl.ModelConfig, trl.SFTConfig, trl.DPOConfig, trl.GRPOConfig):
+        for k, v in kinds_of(cls).items():
+            if k not in ta or ta[k] != v:
+                own.setdefault(k, v)
+
+    def table(d: dict) -> str:
+        return "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(d.items()))
+
+    return (
+        '"""The fields HfArgumentParser knows (generated from the installed libraries by\n'
+        "tests/test_readers.py::test_known_fields_match_the_installed_parsers;\n"
+        "VRAMPLAN_REGEN_FIELDS=1 rewrites it).\n\n"
+        "Name -> how the command line takes it: ``bool`` (``--x``, ``--x true|false``), ``bool_true`` (also\n"
+        "``--no_x``: the default is True), ``list`` (``nargs=\"+\"``), ``dict`` (a JSON string or a path),\n"
+        '``int``, ``float``, ``str``. Data only: no import of transformers or trl at runtime.\n"""\n\n'
+        f"TRANSFORMERS_VERSION = {transformers.__version__!r}\nTRL_VERSION = {trl.__version__!r}\n\n"
+        "#: transformers' ``TrainingArguments`` (training_args.py)\n"
+        f"TRAINING_ARGUMENTS = {{\n{table(ta)}}}\n\n"
+        "#: TRL's own fields (``ScriptArguments``, ``ModelConfig``, ``SFTConfig``, ``DPOConfig``,\n"
+        "#: ``GRPOConfig``) that TrainingArguments lacks, and the TrainingArguments fields TRL takes\n"
+        "#: differently (``gradient_checkpointing`` defaults to True there: ``--no_gradient_checkpointing``)\n"
+        f"TRL_FIELDS = {{\n{table(own)}}}\n"
+    )
+
+
+def test_known_fields_match_the_installed_parsers():
+    import os
+
+    import vramplan.readers.hf_fields as committed
+
+    path = Path(committed.__file__)
+    generated = _generated_fields()
+    if os.environ.get("VRAMPLAN_REGEN_FIELDS"):
+        path.write_text(generated)
+    import transformers
+    import trl
+
+    if (transformers.__version__, trl.__version__) != (committed.TRANSFORMERS_VERSION, committed.TRL_VERSION):
+        pytest.skip("the committed table is for other versions")
+    assert path.read_text() == generated, "regenerate: VRAMPLAN_REGEN_FIELDS=1 pytest tests/test_readers.py -k known"

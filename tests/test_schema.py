@@ -74,11 +74,15 @@ def test_setup_schema_lists_every_setup_field_and_choice(schemas):
     ["qwen3-30b-a3b", "--method", "qlora", "--checkpointing"],
     ["llama-3.1-8b", "--method", "lora", "--zero", "3", "--offload-optimizer", "cpu", "--gpus", "2",
      "--gpu-memory", "24GiB"],
-], ids=["full-fit", "qlora-no-gpu", "zero3-offload"])
+    ["llama-3.1-70b", "--method", "qlora", "--checkpointing", "--gpus", "2", "--device-map", "auto", "--gpu",
+     "rtx-3090"],
+], ids=["full-fit", "qlora-no-gpu", "zero3-offload", "layer-split"])
 def test_estimate_json(validate, schemas, args):
     data = cli_json("estimate", *args, "--json")
     validate("breakdown", data)
-    assert set(data) == set(schemas["breakdown"]["properties"])
+    # per_rank only where the GPUs differ (a layer split)
+    split = {"per_rank"} if "--device-map" in args else set()
+    assert set(data) == set(schemas["breakdown"]["properties"]) - ({"per_rank"} - split)
 
 
 def test_schema_rejects_what_the_code_would(validate):

@@ -31,7 +31,8 @@ def quick_json():
 
 def test_quick_matrix_holds_the_bar(quick_json):
     rows = [r for r in quick_json["rows"] if r["verified"]]
-    assert {r["truth"] for r in rows} == {"trace", "cpu-run"}
+    assert {r["truth"] for r in rows} == {"trace", "cpu-run", "trl-trace", "trl-cpu", "placement"}  # trl-*: dpo, grpo
+    # placement: device_map's real transformers placement on the meta device
     bad = [(r["knob"], r["setup_text"], r["quantity"], r["error"]) for r in rows if abs(r["error"]) > 0.05]
     assert not bad, bad
     canonical = [r for r in rows if r["knob"] == "canonical" and r["quantity"] == "tensor_peak_bytes"]
@@ -50,7 +51,7 @@ def test_unverifiable_knobs_are_listed_with_why(quick_json):
 def test_default_matrix_covers_every_knob_on_three_families():
     cases = matrix()
     for knob in ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
-                 "moe", "loss"):
+                 "moe", "loss", "modules_to_save", "dora", "optimizer_in_backward"):
         assert len({c.model for c in cases if c.knob == knob}) >= 3, knob
     optimizers = {c.setup.optimizer for c in cases if c.knob == "optimizer"}
     assert optimizers == {"adamw-fused", "sgd", "adafactor", "adamw-8bit", "paged-adamw-8bit", "lion"}

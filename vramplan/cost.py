@@ -66,6 +66,7 @@ from .cost_counts import (  # noqa: F401  (re-exported: vramplan.cost is the pub
     stack_of,
 )
 from .estimator import trainable_params, weights_bytes
+from .estimator.layer_split_memory import copy_bytes_per_micro_step as split_copy_bytes
 from .estimator.precision import compute_bytes
 from .specs import GpuSpec, ModelSpec, Setup
 from .units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
@@ -92,6 +93,15 @@ CONSTANTS: dict[str, float] = {
 CONSTANT_ROWS = {"inv_mfu:a100": "19 rows, 1 source, A100-80GB", "lora_passes": "15 LoRA/QLoRA rows, 1 source",
                  "kbit_passes": "4 one-GPU QLoRA rows, 1 source", "dequant_inefficiency": "9 QLoRA rows, 1 source",
                  "shard_comm_exposure": "11 FSDP FULL_SHARD 2-GPU rows, 1 source"}
+
+#: Liger's kernels (``--liger``): the same matmul FLOPs (the fused cross-entropy runs the head's three
+#: matmuls chunk by chunk), fused elementwise kernels for RMSNorm, SwiGLU and RoPE. No speed-up is
+#: assumed: the one Liger publishes ("increase multi-GPU training throughput by 20%", linkedin/Liger-Kernel
+#: README: LLaMA 3-8B, batch 8, gradient checkpointing, FSDP1 on 8 A100s) is one full fine-tuning setup,
+#: not a rate that carries to LoRA on one card, and no Liger row is in calibration/throughput. So the plan
+#: takes Liger for the memory it saves (a larger micro-batch, checkpointing off), never for a claimed speed,
+#: and at equal speed the stack without the extra dependency wins.
+LIGER_THROUGHPUT = 1.0
 
 #: MFU of a GPU class no published row covers: the shipped guess (published HF runs report 35-50 %),
 #: deliberately below the A100 fit: unfitted cards (consumer cards throttle below their boost clock
@@ -382,7 +392,7 @@ def comm_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> tuple[fl
     """(seconds per micro-step, seconds per optimizer step) of DDP / ZeRO-1/2 / SHARD_GRAD_OP
     collectives, before overlap. Sharded parameters (ZeRO-3, FULL_SHARD) are :func:`fitted_units`."""
     n = setup.gpus
-    if n == 1 or sharded_params(setup):
+    if n == 1 or sharded_params(setup) or setup.device_map != "none":  # a layer split has no collectives
         return 0.0, 0.0
     ring = (n - 1) / n
     G, W = _grad_bytes(setup, k), k.weight_bytes
@@ -451,15 +461,19 @@ def step_cost(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, nodes:
     if eager_attention(model, setup):
         attention = (ga * setup.tokens * model.num_layers * model.num_heads * setup.seq * EAGER_SCORE_BYTES
                      / (bandwidth(gpu) * MEMORY_BW_EFFICIENCY))
+    if setup.liger:
+        inv_mfu /= LIGER_THROUGHPUT
     return StepCost(
         compute_s=u["compute"] * inv_mfu,
         recompute_s=u["recompute"] * inv_mfu,
         dequant_s=dequant,
         optimizer_s=optimizer_update_s(setup, gpu, nodes, k),
         offload_s=ga * param_offload_s_per_micro_step(setup, gpu, nodes, k),
-        comm_s=u["shard_comm"] * constants["shard_comm_exposure"] + (ga * micro + step) * (1.0 - COMM_OVERLAP),
+        comm_s=u["shard_comm"] * constants["shard_comm_exposure"] + (ga * micro + step) * (1.0 - COMM_OVERLAP)
+        + ga * split_copy_bytes(model, setup) / ring_bandwidth(gpu, 1),  # a layer split's copies: not overlapped
         overhead_s=ga * model.num_layers * LAYER_OVERHEAD_S,
-        tokens_per_step=setup.tokens * ga * setup.gpus,
+        # a layer split is one process: its GPUs take turns on one micro-batch (naive pipeline)
+        tokens_per_step=setup.tokens * ga * (1 if setup.device_map != "none" else setup.gpus),
         lora_s=u["lora"] * constants["lora_passes"],
         kbit_s=u["kbit"] * constants["kbit_passes"],
         attention_s=attention,

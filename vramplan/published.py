@@ -2,7 +2,9 @@
 
 Pure functions, no torch, no printing: ``load_records`` reads the records, ``compare`` estimates
 each comparable one and returns typed rows, ``summarize`` groups them (per source, method,
-quantity, family) and ``excluded`` lists the rows set aside with their reasons. The caller
+quantity, family), ``token_slopes`` pairs rows that differ only in the micro-batch (what one more
+token costs, measured and estimated: per-token gaps apart from constant ones) and ``excluded``
+lists the rows set aside with their reasons. The caller
 (``benchmarks/published_accuracy.py``, ``vramplan validate --published``) prints.
 """
 
@@ -170,6 +172,73 @@ def summarize(rows: list[PublishedRow]) -> list[Summary]:
             by.setdefault(key(r), []).append(r)
         out += [summary_of(group, k, by[k]) for k in sorted(by)]
     return out
+
+
+@dataclass(frozen=True)
+class TokenSlope:
+    """Two comparable rows of one run configuration that differ only in the micro-batch (same
+    source, model, quantity and every other Setup field): what one more token per GPU costs, as
+    measured and as estimated. A gap here is a per-token term the estimate lacks (or adds); a row
+    error with no slope gap is a constant one (weights, gathered units, device terms)."""
+
+    ids: tuple[str, str]  # the fewer-token row, the more-token row
+    source: str
+    model: str
+    family: str
+    method: str
+    quantity: str
+    gpus: int
+    fsdp: str
+    tokens: tuple[int, int]  # per GPU: batch x seq of each row
+    measured_per_token: float  # bytes per added token
+    estimated_per_token: float
+    phases: tuple[str, str]  # the estimate's peak phase of each row
+
+    @property
+    def excess_per_token(self) -> float:
+        """Measured minus estimated bytes per token (> 0: the estimate misses a per-token term)."""
+        return self.measured_per_token - self.estimated_per_token
+
+    @property
+    def error(self) -> float | None:
+        """estimated / measured - 1; None where either slope is zero (an optimizer-step peak, which
+        no token moves)."""
+        if not self.measured_per_token or not self.estimated_per_token:
+            return None
+        return self.estimated_per_token / self.measured_per_token - 1
+
+
+def _slope_key(record: dict, quantity: str) -> tuple:
+    setup = {k: v for k, v in record["setup"].items() if k != "batch"}
+    return (record["source"]["repo"], record["model"], quantity, json.dumps(setup, sort_keys=True),
+            json.dumps(record.get("versions") or {}, sort_keys=True))
+
+
+def token_slopes(records: Iterable[dict], rows: Iterable[PublishedRow]) -> list[TokenSlope]:
+    """Per run configuration measured at two or more micro-batches, the slope between its fewest-
+    and most-token rows (per quantity). ``rows``: :func:`compare`'s output for ``records``."""
+    by_id = {r["id"]: r for r in records}
+    groups: dict[tuple, list[PublishedRow]] = {}
+    for row in rows:
+        groups.setdefault(_slope_key(by_id[row.id], row.quantity), []).append(row)
+    out = []
+    for members in groups.values():
+        def tokens(row: PublishedRow) -> int:
+            s = by_id[row.id]["setup"]
+            return int(s["batch"]) * int(s["seq"])
+
+        members = sorted(members, key=lambda row: (tokens(row), row.id))
+        lo, hi = members[0], members[-1]
+        dn = tokens(hi) - tokens(lo)
+        if dn <= 0:
+            continue
+        setup = by_id[lo.id]["setup"]
+        out.append(TokenSlope(
+            ids=(lo.id, hi.id), source=lo.source, model=lo.model, family=lo.family, method=lo.method,
+            quantity=lo.quantity, gpus=int(setup["gpus"]), fsdp=str(setup["fsdp"]), tokens=(tokens(lo), tokens(hi)),
+            measured_per_token=(hi.measured_bytes - lo.measured_bytes) / dn,
+            estimated_per_token=(hi.estimated_bytes - lo.estimated_bytes) / dn, phases=(lo.phase, hi.phase)))
+    return sorted(out, key=lambda t: (t.quantity, t.family, t.method, t.gpus, t.ids))
 
 
 def exclusion_counts(records: Iterable[dict]) -> list[tuple[str, int]]:

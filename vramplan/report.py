@@ -22,6 +22,7 @@ from .wording import describe
 COLORS: dict[str, tuple[str, str]] = {
     "weights": ("blue", "#3b6fd8"),
     "adapters": ("cyan", "#1fa3b8"),
+    "trained_modules": ("cyan", "#1fa3b8"),  # modules_to_save copies, DoRA magnitudes
     "autocast_weight_cache": ("bright_blue", "#7fa4ea"),
     "gradients": ("magenta", "#b548c6"),
     "optimizer_states": ("red", "#d8453b"),
@@ -29,6 +30,7 @@ COLORS: dict[str, tuple[str, str]] = {
     "activations": ("green", "#3a9a4a"),
     "checkpointed_inputs": ("green", "#3a9a4a"),
     "recompute": ("bright_green", "#86c98f"),
+    "dora_weight_norm": ("bright_green", "#86c98f"),
     "dequantized_weights": ("bright_cyan", "#6fd0dc"),
     "dequantization": ("bright_cyan", "#6fd0dc"),
     "model_io_activations": ("yellow", "#d8a93b"),

@@ -41,18 +41,11 @@ def lora_targets(model: ModelSpec, setup: Setup) -> tuple[list[LinearSpec], list
 #: Setup knobs the estimator does not model yet: field -> what a setup that sets it is told. A knob
 #: leaves this table in the change that models it (estimator term, truth, validate knob).
 NOT_MODELLED: dict[str, str] = {
-    "modules_to_save": "trainable embeddings/head (modules_to_save) are not modelled yet",
-    "dora": "DoRA is not modelled yet",
     "activation_offload": "activation offloading is not modelled yet",
-    "liger": "Liger kernels are not modelled yet",
-    "optimizer_in_backward": "optimizer-in-backward is not modelled yet",
-    "padding_free": "padding-free batches are not modelled yet",
-    "eval_batch": "the eval step is not modelled yet",
-    "device_map": "a layer split over GPUs (device_map) is not modelled yet",
-    "tp": "tensor parallelism is not modelled yet",
-    "cp": "context parallelism is not modelled yet",
-    "fsdp_version": "FSDP2 is not modelled yet",
-    "objective": "objectives other than SFT are not modelled yet",
+    "tp": "tensor parallelism (transformers tp_plan=\"auto\") is not modelled yet; split the model with --fsdp, "
+          "--zero 3 or, in one process, --device-map auto",
+    "cp": "context parallelism (accelerate ParallelismConfig cp_size) is not modelled yet",
+    "fsdp_version": "FSDP2 (fully_shard) is not modelled yet; --fsdp models accelerate's FSDP1",
 }
 
 _SETUP_DEFAULTS = Setup()
@@ -65,9 +58,46 @@ def refuse_unmodelled(setup: Setup) -> None:
             raise SpecError(f"{why} (--{name.replace('_', '-')})")
 
 
+def check_liger(model: ModelSpec, setup: Setup) -> None:
+    """Liger kernels are modelled for the model types of estimator/liger.py, on a 16/32-bit base."""
+    from .estimator.liger import LIGER_FAMILIES, LIGER_OTHER_TYPES
+
+    if model.family not in LIGER_FAMILIES:
+        why = ("liger-kernel 0.8.5 patches it, but its kernels there are not modelled yet"
+               if model.family in LIGER_OTHER_TYPES else "liger-kernel 0.8.5 has no kernels for it")
+        raise SpecError(f"--liger on {model.name} (model_type {model.family}): {why}; modelled: "
+                        f"{', '.join(LIGER_FAMILIES)}")
+    if setup.quant != "none":
+        raise SpecError("--liger on a quantized base is not modelled yet; use --quant none")
+    if setup.tp > 1 or setup.cp > 1:  # LigerRMSNorm gathers a DTensor input in full (full_tensor)
+        raise SpecError("--liger with tensor or context parallelism is not modelled yet; use --tp 1 --cp 1")
+    if setup.objective != "sft":  # TRL's LigerFusedLinearDPOLoss / GRPO loss: other kernels
+        raise SpecError(f"--liger with --objective {setup.objective} (TRL's fused Liger "
+                        f"{setup.objective.upper()} loss) is not modelled yet; Liger is modelled for SFT")
+
+
+def check_padding_free(model: ModelSpec, setup: Setup) -> None:
+    """Padding-free batches (TRL ``padding_free``, ``DataCollatorWithFlattening``): one row of
+    ``batch * seq`` tokens whose ``position_ids`` restart per sequence. transformers 5.24 runs it as
+    flash-attention varlen (``_flash_attention_forward``: cu_seqlens from the position ids, no
+    mask): the same saved tensors as the padded batch without a mask. With SDPA or eager,
+    ``masking_utils`` (``find_packed_sequence_indices``) builds a block-diagonal (1, 1, N, N) mask
+    instead, and TRL 1.16 warns (SFTTrainer: padding-free needs a flash attention variant): not
+    modelled, refused."""
+    from .estimator.precision import attention_impl
+
+    if attention_impl(model, setup) != "flash":
+        raise SpecError("padding-free batches need flash attention (--attn flash): with SDPA or eager, transformers "
+                        "builds a block-diagonal N x N mask over the packed row (TRL warns), which is not modelled")
+
+
 def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[str]:
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
+    if setup.liger:
+        check_liger(model, setup)
+    if setup.padding_free:
+        check_padding_free(model, setup)
     warnings: list[str] = []
     if model.max_position_embeddings and setup.seq > model.max_position_embeddings:
         warnings.append(
@@ -93,6 +123,10 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
         )
     if gpu is not None and not gpu.bf16 and setup.precision in ("bf16", "bf16-mixed"):
         warnings.append(f"{gpu.display_name} has no bf16; train it with --precision fp16-mixed (or fp32)")
+    cc = gpu.compute_capability if gpu is not None else None
+    if cc and setup.attn == "flash" and float(cc) < 8.0:  # flash-attn 2's README: Ampere, Ada or Hopper
+        warnings.append(f"{gpu.display_name} (compute capability {cc}) cannot run FlashAttention-2 (it needs Ampere or "
+                        "newer, compute capability 8.0+); use --attn sdpa")
     return warnings
 
 

@@ -31,7 +31,7 @@ PRECISIONS = ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "lion")
 ATTENTIONS = ("auto", "sdpa", "eager", "flash")
 OFFLOADS = ("none", "cpu", "nvme")
-LOSSES = ("hf", "chunked")
+LOSSES = ("hf", "chunked", "trl")  # trl: TRL 1.16 SFTTrainer's fused LM head (estimator/objectives.py)
 #: PyTorch FSDP sharding as accelerate names it (lower case): none, or FULL_SHARD / SHARD_GRAD_OP /
 #: NO_SHARD (HYBRID_SHARD needs nodes and a 2-D mesh: not a Setup choice yet)
 FSDP_MODES = ("none", "full_shard", "shard_grad_op", "no_shard")
@@ -108,8 +108,15 @@ class Setup:
     #: accelerate ``fsdp_version``: 1 (FSDP1's FlatParameter) or 2 (``fully_shard``, DTensor)
     fsdp_version: int = 1
     # ---- objective ------------------------------------------------------------------------------
+    #: TRL 1.16's trainer (estimator/objectives.py). ``seq`` is a row's length: DPO's ``max_length``
+    #: (prompt + completion; chosen and rejected rows both), GRPO's prompt + ``max_completion_length``.
+    #: ``batch`` is pairs per micro-batch (DPO: 2 x batch rows) or prompts per micro-batch (GRPO:
+    #: ``per_device_train_batch_size`` = batch x num_generations completions)
     objective: str = "sft"
-    #: DPO family / GRPO prompt and completion lengths in tokens (0: derived from ``seq``)
+    #: DPO / GRPO prompt and completion lengths in tokens (0: derived from ``seq``). DPO: with both,
+    #: rows are at most their sum (DPOConfig has max_length only); the completion sets the positions
+    #: the head scores (0: all but the first). GRPO: completion 0 is GRPOConfig's 512 (at most seq/2),
+    #: prompt 0 is seq - completion; prompt + completion may not exceed seq
     max_prompt_length: int = 0
     max_completion_length: int = 0
     #: GRPO: completions sampled per prompt
@@ -241,6 +248,20 @@ def _check_knobs(s: Setup) -> None:
                         "use --grad-accum 1 (torchtune refuses optimizer_in_bwd with gradient accumulation)")
     if s.optimizer_in_backward and s.zero_stage:
         raise SpecError("optimizer_in_backward under DeepSpeed ZeRO is not how ZeRO steps; use --zero 0")
+    # modelled on one unsharded GPU (estimator/knobs.py): ZeRO, FSDP and DDP shard or bucket what they add
+    sharded = s.zero_stage or s.fsdp != "none" or s.gpus > 1
+    for name, on in (("modules_to_save", bool(s.modules_to_save.strip())), ("dora", s.dora),
+                     ("optimizer_in_backward", s.optimizer_in_backward)):
+        if on and sharded:
+            raise SpecError(f"{name} is modelled on one GPU without ZeRO/FSDP/DDP only; use --gpus 1 "
+                            "(no --zero, no --fsdp)")
+    if s.padding_free and s.pad_mask:
+        raise SpecError("padding-free batches carry no padding and no attention mask: drop --pad-mask")
+    if s.liger and s.loss == "chunked":
+        raise SpecError("liger's fused linear cross-entropy replaces the loss: use --loss hf with --liger")
+    if s.liger and s.loss != "trl" and s.zero_stage == 3:  # huggingface/trl#3368, #5891: "size mismatch" under ZeRO-3
+        raise SpecError("liger's fused linear cross-entropy reads lm_head.weight outside the head's forward, which "
+                        "ZeRO-3 leaves partitioned (size mismatch): use --zero 1/2 or --fsdp with --liger")
     if isinstance(s.eval_batch, bool) or not isinstance(s.eval_batch, int) or s.eval_batch < 0:
         raise SpecError(f"eval_batch must be a non-negative integer (0: no eval); got {s.eval_batch!r}")
 
@@ -260,6 +281,13 @@ def _check_parallelism(s: Setup) -> None:
         if s.zero_stage or s.fsdp != "none" or s.tp > 1 or s.cp > 1:
             raise SpecError("device_map places whole layers on GPUs in one process; it does not combine with "
                             "ZeRO, FSDP or tensor/context parallelism")
+        # the per-GPU split (estimator/layer_split_memory.py) is modelled and traced for the SFT step
+        # with gradients kept to the optimizer step and activations on the GPUs
+        for name, on in (("objective", s.objective != "sft"), ("optimizer_in_backward", s.optimizer_in_backward),
+                         ("activation_offload", s.activation_offload), ("eval_batch", s.eval_batch)):
+            if on:
+                raise SpecError(f"device_map with --{name.replace('_', '-')} is not modelled yet (the layer split "
+                                "is modelled for the SFT step)")
     if s.gpus % (s.tp * s.cp):
         raise SpecError(f"gpus ({s.gpus}) must be a multiple of tp x cp ({s.tp} x {s.cp})")
     if (s.tp > 1 or s.cp > 1) and s.zero_stage:
@@ -293,3 +321,13 @@ def _check_objective(s: Setup) -> None:
             raise SpecError("ref_model applies to --objective dpo/kto/grpo")
     if s.generation != "vllm-colocate" and s.vllm_memory_fraction != 0.3:
         raise SpecError("vllm_memory_fraction applies to --generation vllm-colocate")
+    if s.objective == "dpo" and s.ref_model == "none":
+        raise SpecError("DPO needs a reference model: ref_model auto, copy, adapter or precomputed")
+    if s.objective == "grpo" and s.ref_model == "precomputed":
+        raise SpecError("GRPO scores fresh completions: its reference cannot be precomputed (ref_model)")
+    if s.ref_model == "adapter" and not s.adapters:
+        raise SpecError("ref_model adapter is peft's adapter-disabled base: use --method lora or qlora")
+    if s.objective == "grpo" and s.max_prompt_length and s.max_completion_length \
+            and s.max_prompt_length + s.max_completion_length > s.seq:
+        raise SpecError(f"max_prompt_length + max_completion_length ({s.max_prompt_length + s.max_completion_length}) "
+                        f"exceeds seq ({s.seq}): seq is a GRPO row's prompt + completion length")

@@ -48,7 +48,7 @@ __all__ = [
     "OPTIMIZERS", "PHASES", "PRECISIONS", "PREQUANTIZED", "QUANTS", "QUANT_BITS", "QUANT_GROUP_SIZES", "REF_MODELS",
     "Alternative", "Breakdown", "Component",
     "FamilyTraits", "GpuSpec", "LinearSpec", "MlaDims", "ModelSpec", "MoeSpec", "Note", "NoteKind", "Plan",
-    "RejectKind", "Rejected", "Setup", "SpecError", "truncate_config",
+    "RankPeak", "RejectKind", "Rejected", "Setup", "SpecError", "truncate_config",
 ]
 
 
@@ -106,6 +106,25 @@ class Component:
 
 
 @dataclass(frozen=True)
+class RankPeak:
+    """One GPU's headline numbers when the GPUs of a setup hold different shares (a layer split):
+    the decoder layers it holds, its four numbers and the phase of its peak."""
+
+    rank: int
+    layers: tuple[int, ...]
+    tensor_peak_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    phase: str
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "layers": list(self.layers), "phase": self.phase,
+                "tensor_peak_bytes": self.tensor_peak_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
+                "peak_reserved_bytes": self.peak_reserved_bytes, "device_total_bytes": self.device_total_bytes}
+
+
+@dataclass(frozen=True)
 class Breakdown:
     """Memory of one training step per GPU, by component and phase, with four headline numbers.
 
@@ -134,6 +153,9 @@ class Breakdown:
     #: None for a Breakdown no band was attached to (the traced tier, plan files read back)
     error_band: ErrorBands | None = None
     calibration: CalibrationInfo | None = None  # what calibration was applied (None: the raw model)
+    #: each GPU's numbers when the GPUs differ (a layer split, ``device_map``); () when every GPU
+    #: holds the same. The headline numbers and components are then the fullest GPU's.
+    per_rank: tuple[RankPeak, ...] = ()
 
     @property
     def fits(self) -> bool | None:
@@ -175,6 +197,8 @@ class Breakdown:
             "notes": list(self.notes),
             "error_band": self.error_band.to_json() if self.error_band is not None else None,
             "calibration": self.calibration.to_json() if self.calibration is not None else None,
+            # only when the GPUs differ, so the JSON of every other setup is unchanged
+            **({"per_rank": [r.to_json() for r in self.per_rank]} if self.per_rank else {}),
         }
 
 
@@ -303,5 +327,7 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step: micro-batch x grad accumulation x GPUs."""
-        return self.setup.batch * self.setup.grad_accum * self.setup.gpus
+        """Sequences per optimizer step: micro-batch x grad accumulation x data-parallel GPUs (a
+        layer split is one process: its GPUs share one micro-batch)."""
+        dp = 1 if self.setup.device_map != "none" else self.setup.gpus
+        return self.setup.batch * self.setup.grad_accum * dp

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 from .accuracy import Row
 from .specs import Setup
+from .validate_eval import EVAL_CASE_PHASES, eval_cases, eval_cpu_rows
+from .validate_knobs import KNOB_CASE_PHASES, knob_cases
+from .validate_objectives import objective_cases, objective_rows, trl_loss_cases
 
 #: Models of the matrix: three dense families for every knob, three MoE families for MoE routing.
 DENSE = ("meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-7B", "google/gemma-2b")
@@ -33,7 +36,9 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 
 #: Knobs in table order.
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
-         "moe", "loss", "gptq_awq", "zero", "fsdp", "ddp", "device_overheads", "measured")
+         "moe", "loss", "modules_to_save", "dora", "optimizer_in_backward",
+         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "ddp", "device_map", "device_overheads",
+         "measured", "dpo", "grpo", "eval")
 
 #: Where `vramplan measure` / `sweep` append their records (vramplan.measure.RECORDS_DIR).
 MEASUREMENTS = "calibration/measurements"
@@ -44,9 +49,20 @@ class Case:
     knob: str
     model: str
     setup: Setup
-    truth: str  # trace | cpu-run
+    truth: str  # trace | cpu-run | eval-cpu (validate_eval.py) | trl-cpu | trl-trace
     layers: int | None = 4  # trace: truncation (None: whole model); cpu-run: see CPU_SHRINK
     shrink: dict = field(default_factory=lambda: dict(CPU_SHRINK))
+
+
+#: Liger kernels (vramplan/run/liger.py stand-ins): full and LoRA, checkpointing, mixed precision.
+LIGER_SETUPS = tuple(Setup(seq=1024, batch=4, liger=True, **kw) for kw in (
+    {}, {"method": "lora"}, {"method": "lora", "checkpointing": True}, {"checkpointing": True},
+    {"precision": "bf16-mixed"}, {"method": "lora", "precision": "bf16-mixed"}))
+
+
+#: Padding-free batches: one row of batch x seq tokens, positions restarting per sequence, flash varlen.
+PADDING_FREE_SETUPS = tuple(Setup(seq=1024, batch=4, attn="flash", padding_free=True, **kw) for kw in (
+    {}, {"method": "lora"}, {"method": "lora", "checkpointing": True}, {"method": "lora", "liger": True}))
 
 
 def _trace_cases(knob: str, models, setups, layers: int | None = 4) -> list[Case]:
@@ -73,8 +89,15 @@ def matrix(quick: bool = False) -> list[Case]:
             *_trace_cases("attention", m, [s.replace(attn="eager"), s.replace(pad_mask=True)], layers=2),
             *_trace_cases("grad_accum", m, [s.replace(grad_accum=2)], layers=2),
             *_trace_cases("loss", m, [s.replace(loss="chunked", batch=2)], layers=2),
+            *trl_loss_cases(True, Case, DENSE),
             *_trace_cases("checkpointing", m, [s.replace(method="lora", checkpointing=True)], layers=2),
             *_trace_cases("moe", MOE[1:2], [Setup(method="lora", seq=128)], layers=2),
+            *_trace_cases("liger", m, [s.replace(method="lora", liger=True, batch=2)], layers=2),
+            *_trace_cases("padding_free", m, [s.replace(method="lora", padding_free=True, attn="flash", batch=2)],
+                          layers=2),
+            *objective_cases(True, Case, DENSE),
+            *knob_cases(True, Case, DENSE),
+            *eval_cases(True, Case, DENSE),
         ]
     return [
         *_trace_cases("canonical", DENSE, [Setup(), Setup(method="lora")], layers=None),
@@ -108,6 +131,12 @@ def matrix(quick: bool = False) -> list[Case]:
         *_trace_cases("loss", DENSE, [s.replace(loss="chunked", batch=4),
                                       s.replace(method="lora", loss="chunked", batch=4)]),
         *_cpu_cases("loss", DENSE[:1], [short.replace(loss="chunked", seq=512, batch=4)]),
+        *trl_loss_cases(False, Case, DENSE),
+        *_trace_cases("liger", DENSE, LIGER_SETUPS),
+        *_trace_cases("padding_free", DENSE, PADDING_FREE_SETUPS),
+        *objective_cases(False, Case, DENSE),
+        *knob_cases(False, Case, DENSE),
+        *eval_cases(False, Case, DENSE),
     ]
 
 
@@ -118,6 +147,10 @@ def run_case(case: Case) -> list[Row]:
     from .estimator import estimate
     from .profiles import load_model
 
+    if case.truth in ("trl-cpu", "trl-trace"):  # the DPO/GRPO objectives (validate_objectives.py)
+        return objective_rows(case)
+    if case.truth == "eval-cpu":  # a real Trainer.evaluate (validate_eval.py)
+        return eval_cpu_rows(case, Row)
     model = load_model(case.model)
     if case.truth == "trace":
         from .run.tracer import trace
@@ -139,8 +172,8 @@ def run_case(case: Case) -> list[Row]:
     rows += _phase_rows(case, spec.family, t.phase_peaks_bytes, e.phase_peaks_bytes, "cpu-run")
     if case.setup.quant != "none":
         rows.append(Row(case.model, spec.family, case.setup, t.weights_bytes,
-                        e.component("weights") + e.component("adapters"), "-", "-", truth="cpu-run",
-                        knob=case.knob, quantity="weights_bytes"))
+                        e.component("weights") + e.component("adapters") + e.component("trained_modules"), "-", "-",
+                        truth="cpu-run", knob=case.knob, quantity="weights_bytes"))
     if t.paged_bytes:
         rows.append(Row(case.model, spec.family, case.setup, t.paged_bytes, e.component("paged_optimizer_states"),
                         "-", "-", truth="cpu-run", knob=case.knob, quantity="paged_bytes"))
@@ -153,7 +186,9 @@ def _headline(bd) -> tuple[int, int, int, int]:
 
 #: The phase each knob acts on, compared besides the tensor peak (which may lie elsewhere).
 KNOB_PHASES = {"optimizer": ("optimizer",), "grad_accum": ("forward",), "loss": ("forward", "backward"),
-               "attention": ("forward", "backward"), "precision": ("forward", "backward", "optimizer")}
+               "attention": ("forward", "backward"), "precision": ("forward", "backward", "optimizer"),
+               "liger": ("backward",), "padding_free": ("forward", "backward"), **KNOB_CASE_PHASES,
+               **EVAL_CASE_PHASES}
 
 
 def _phase_rows(case: Case, family: str, truth: dict, est: dict, truth_name: str) -> list[Row]:
@@ -217,6 +252,13 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             rows.append(_unverified(knob, Setup(zero_stage=2, gpus=2) if knob == "zero" else Setup(gpus=2),
                                     f"no {knob} rows from the N-process truth "
                                     "(vramplan.run.distributed.zero_rows) yet"))
+    if "device_map" in wanted:
+        try:
+            from .run import layer_split_truth  # the real placement on the meta device, when installed
+        except ImportError:
+            layer_split_truth = None
+        if layer_split_truth is not None:
+            rows += layer_split_truth.layer_split_rows(quick)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "

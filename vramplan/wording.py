@@ -19,6 +19,10 @@ def describe(setup: Setup) -> str:
         parts[0] += f" r={setup.lora_rank} alpha={setup.alpha}"
         if setup.lora_targets != "all-linear":
             parts[0] += f" on {setup.lora_targets}"
+        if setup.dora:
+            parts[0] += " DoRA"
+        if setup.modules_to_save.strip():
+            parts[0] += f" + trained {setup.modules_to_save.strip()}"
     if setup.quant != "none":
         parts.append(f"{setup.quant} base"
                      + (" (double quant)" if setup.double_quant and setup.quant in ("nf4", "fp4") else "")
@@ -34,8 +38,22 @@ def describe(setup: Setup) -> str:
         parts.append("padding mask")
     if setup.loss != "hf":
         parts.append(f"{setup.loss} loss")
+    if setup.liger:
+        parts.append("Liger kernels")
+    if setup.padding_free:
+        parts.append("padding-free")
+    if setup.optimizer_in_backward:
+        parts.append("optimizer in backward")
+    if setup.eval_batch:
+        parts.append(f"eval batch {setup.eval_batch}")
+    if setup.objective != "sft":  # DPO/GRPO: the objective, its reference and generation knobs
+        parts.append(setup.objective.upper() + (f" x{setup.num_generations}" if setup.objective == "grpo" else "")
+                     + (f" ref {setup.ref_model}" if setup.ref_model != "auto" else "")
+                     + (f" {setup.generation}" if setup.generation != "hf" else ""))
     if setup.gpus > 1:
         parts.append(f"{setup.gpus} GPUs")
+    if setup.device_map != "none":  # one process, the layers over the GPUs
+        parts.append(f"layer split (device_map={setup.device_map})")
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
     if setup.fsdp != "none":

@@ -271,6 +271,7 @@ def normalise(row: dict) -> dict:
     if row.get("gradient_checkpointing") is None:
         unexpressible.append("gradient checkpointing not stated")
     other = [str(o) for o in (row.get("other_memory_optimizations") or [])]
+    liger = False
     for o in other:
         ol = o.lower()
         if ol.startswith("compile=true") or "torch.compile" in ol:
@@ -280,7 +281,7 @@ def normalise(row: dict) -> dict:
         elif "chunked" in ol and "loss" in ol:
             unexpressible.append("torchtune CEWithChunkedOutputLoss")
         elif "liger" in ol:
-            unexpressible.append("Liger kernels")
+            liger = True
         elif "=false" in ol or "full logits" in ol:
             continue
         else:
@@ -288,8 +289,8 @@ def normalise(row: dict) -> dict:
     notes_l = (row.get("notes") or "").lower() + " " + (row.get("framework") or "").lower()
     if "compile enabled" in notes_l and "torch.compile" not in unexpressible:
         unexpressible.append("torch.compile")
-    if "liger" in (row.get("framework") or "").lower() and "Liger kernels" not in unexpressible:
-        unexpressible.append("Liger kernels")
+    # Liger's kernels patched onto transformers' modelling code: modelled (vramplan/estimator/liger.py)
+    liger = liger or "liger" in (row.get("framework") or "").lower()
 
     # --- distribution
     dist_raw = (row.get("distributed") or "").lower()
@@ -355,7 +356,7 @@ def normalise(row: dict) -> dict:
         "quant": quant, "double_quant": double_quant, "precision": precision, "optimizer": optimizer,
         "checkpointing": ckpt, "attn": attn, "batch": batch, "seq": max(seq, 1), "grad_accum": grad_accum,
         "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
-        "gpus": gpus_setup, "loss": "hf", "pad_mask": False, "fsdp": fsdp,
+        "gpus": gpus_setup, "loss": "hf", "pad_mask": False, "fsdp": fsdp, "liger": liger,
     }
     if method == "full":
         setup["lora_alpha"] = None
@@ -372,10 +373,9 @@ def normalise(row: dict) -> dict:
     reasons: list[str] = []
     if row.get("oom") or measured_bytes is None:
         reasons.append("OOM: no peak published (the run did not fit), a lower bound only")
-    if not row.get("hf_modeling_code"):
+    if not row.get("hf_modeling_code") and not liger:  # Liger patches transformers' code: modelled
         fw = row.get("framework") or "?"
-        reasons.append("not HF modelling code: Liger kernels replace transformers' RMSNorm/RoPE/SwiGLU/cross-entropy"
-                       if "liger" in fw.lower() else f"not HF modelling code ({fw.split(' (')[0]}'s own model code)")
+        reasons.append(f"not HF modelling code ({fw.split(' (')[0]}'s own model code)")
     if model_problem:
         reasons.append(model_problem)
     if seq_exact is not True:

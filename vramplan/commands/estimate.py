@@ -89,6 +89,16 @@ def print_breakdown(bd) -> None:
     if bd.host_bytes:
         head.add_row("host RAM", f"{gib(bd.host_bytes)} GiB", "", "offloaded state")
     console.print(head)
+    if bd.per_rank:
+        ranks = Table(show_edge=False, pad_edge=False)
+        for col in ("GPU", "layers", "tensor peak", "allocated", "reserved", "device total", "peak phase"):
+            ranks.add_column(col, justify="left" if col in ("GPU", "layers", "peak phase") else "right")
+        for r in bd.per_rank:
+            layers = f"{r.layers[0]}-{r.layers[-1]} ({len(r.layers)})" if r.layers else "none"
+            ranks.add_row(str(r.rank), layers, gib(r.tensor_peak_bytes), gib(r.peak_allocated_bytes),
+                          gib(r.peak_reserved_bytes), gib(r.device_total_bytes), r.phase)
+        console.print("per GPU (GiB; the headline numbers are the fullest GPU's):")
+        console.print(ranks)
     console.print(f"[dim]{calibration_line(bd)}[/]")
     for note in bd.notes:
         console.print(f"[dim]note: {escape(note)}[/]")

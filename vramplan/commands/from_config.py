@@ -57,13 +57,14 @@ def from_options(fn: Callable) -> Callable:
 
 
 def plan_source(path: str, config_format: str | None, model: str | None, accelerate_file: str | None,
-                gpus: int | None):
+                gpus: int | None, gpu=None):
     """(ReadConfig, PlanInputs) of ``plan --from FILE``; prints the reader's warnings. ``model``
-    and ``gpus``: MODEL and ``--gpus`` when typed (they win over the file)."""
+    and ``gpus``: MODEL and ``--gpus`` when typed (they win over the file); ``gpu``: the target
+    GpuSpec, which settles what the file leaves to the GPU (``bf16: auto``)."""
     from ..readers import plan_inputs, read_config
 
     read = read_config(path, config_format, accelerate=accelerate_file)
-    source = plan_inputs(read, model, gpus)  # an error (no model) before any warning
+    source = plan_inputs(read, model, gpus, gpu)  # an error (no model) before any warning
     for w in read.warnings:
         if not (w.field == "model" and model) and not (w.field == "gpus" and gpus):
             warn(f"{path}: {w}")
@@ -85,8 +86,7 @@ def print_as_written(read, source, bd) -> None:
     usable = bd.gpu.usable_memory_bytes
     verdict = (f"fits ({gib(bd.headroom_bytes)} GiB headroom)" if bd.fits
                else f"does not fit ({gib(-bd.headroom_bytes)} GiB short)")
-    gpus = f" on {source.setup.gpus} GPUs" if source.setup.gpus > 1 else ""
-    click.echo(f"{read.path} ({read.format}) as written: {describe(source.setup)}{gpus}: "
+    click.echo(f"{read.path} ({read.format}) as written: {describe(source.setup)}: "
                f"{gib(bd.device_total_bytes)} / {gib(usable)} GiB, {verdict}")
 
 
@@ -115,6 +115,8 @@ def is_config_file(name: str, config_format: str | None) -> bool:
     if not os.path.isfile(name) or os.path.basename(name) == "config.json":
         return False
     if name.lower().endswith((".yaml", ".yml")):  # a model is a config.json: YAML is a training config
+        return True
+    if name.lower().endswith((".sh", ".bash", ".txt", ".cmd")):  # a `trl sft ...` command line (readers.trl_args)
         return True
     from ..inputs import load_structured
     from ..readers import detect

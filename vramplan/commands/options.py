@@ -227,7 +227,8 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "PyTorch FSDP sharding (accelerate's FSDP1) instead of ZeRO."),
     SetupOption("gpus", "--gpus", Count("gpus"), "Number of GPUs (data parallel)."),
     SetupOption("loss", "--loss", click.Choice(LOSSES),
-                "hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk."),
+                "hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk; "
+                "trl: TRL 1.16 SFTTrainer's fused LM head (4096 x 32768 tiles, no full logits)."),
     SetupOption("pad_mask", "--pad-mask/--no-pad-mask", None,
                 "Batches carry a padded attention_mask (SDPA gets an explicit mask)."),
     SetupOption("modules_to_save", "--modules-to-save", None,

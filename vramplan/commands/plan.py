@@ -84,8 +84,19 @@ _MORE_KNOBS = {
     "offload_params": "[default: searched]",
     "fsdp": "Fix PyTorch FSDP sharding instead of ZeRO (none: no FSDP)  [default: searched on several GPUs]",
     "loss": "[default: hf]",
+    "liger": "Liger kernels  [default: searched where modelled, chosen only when a plain stack does not fit]",
+    "dora": "DoRA adapters (peft use_dora)  [default: no]",
+    "modules_to_save": "Modules trained in full beside the adapters, e.g. embed_tokens,lm_head  [default: none]",
     "batch": "Fix the micro-batch per GPU  [default: searched]",
     "grad_accum": "Fix the gradient accumulation  [default: from the global batch]",
+    "objective": "Training objective as TRL runs it  [default: sft]",
+    "max_prompt_length": "DPO/GRPO prompt tokens  [default: from --seq]",
+    "max_completion_length": "DPO/GRPO completion tokens  [default: from --seq]",
+    "num_generations": "GRPO completions per prompt  [default: 8]",
+    "ref_model": "DPO/GRPO reference model  [default: auto]",
+    "generation": "GRPO generation engine  [default: hf]",
+    "vllm_memory_fraction": "GRPO vLLM colocated share of the card  [default: 0.3]",
+    "eval_batch": "Per-device eval batch of the run's evals, judged as its own phase  [default: 0: no eval]",
 }
 
 
@@ -115,7 +126,9 @@ _MORE_KNOBS = {
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 @click.option("--out", "out_file", metavar="FILE", help="Write the plan file (.yaml, .yml or .json).")
 @click.option("--html", "html_file", metavar="FILE", help="Write a standalone HTML report.")
-@click.option("--emit", "emit_dir", metavar="DIR", help="Write the launch files (`vramplan emit`) into DIR.")
+@click.option("--emit", "emit_dir", metavar="DIR",
+              help="Write the launch files (`vramplan emit`) into DIR; with --from FILE, FILE written back with "
+                   "the plan's changes (each commented) instead.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --out/--html file or non-empty --emit DIR.")
 @calibration_options
 @user_errors
@@ -167,12 +180,14 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
 
         typed = set(given_fields(["gpus", "seq"]))
         read, source = plan_source(from_file, config_format, model, accelerate_file,
-                                   gpus if "gpus" in typed else None)
+                                   gpus if "gpus" in typed else None, gpu)
         model, gpus = source.model, source.gpus
         seq = seq if "seq" in typed else source.seq
         if batch_count is None and tokens_per_step is None and "batch" not in fixed and "grad_accum" not in fixed:
             batch_count = source.global_batch
-        fixed = merge_fixed(source.fixed, fixed)
+        from ..emit.frameworks import framework_limits
+
+        fixed = merge_fixed({**framework_limits(read.format), **source.fixed}, fixed)  # what the framework runs
         as_written = estimate(load_model(model), source.setup, gpu, corrections)
         if not as_json:
             print_as_written(read, source, as_written)
@@ -208,7 +223,13 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
         from ..profiles import load_model
 
         # the search resolved MODEL (cached): the emitters reuse its spec instead of the plan's name
-        emitted = emit_to_dir(result, emit_dir, formats=None, force=force, model=load_model(model))
+        if source is not None:  # the user's own file, only the changed fields changed
+            from ..emit import write_back_to_dir
+
+            emitted = write_back_to_dir(read, source.setup, result, emit_dir, force=force, model=load_model(model),
+                                        as_written=as_written)
+        else:
+            emitted = emit_to_dir(result, emit_dir, formats=None, force=force, model=load_model(model))
     if as_json:
         out = plan_to_json(result)
         if source is not None:
@@ -228,7 +249,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
     for path in [out_file, html_file, *emitted]:
         if path:
             click.echo(f"wrote {path}", err=True)
-    if emitted:
+    if emitted and source is None:
         click.echo(f"run: cd {shlex.quote(emit_dir)} && {launch_command(result)}", err=True)
 
 
@@ -278,9 +299,12 @@ def print_plan(plan) -> None:
         share = bd.headroom_bytes / usable if usable else 0.0
         console.print(f"headroom {bd.headroom_bytes / 2**30:.1f} GiB ({share:.0%}) · peak in {bd.phase}"
                       + (f" · host RAM {bd.host_bytes / 2**30:.1f} GiB offloaded per GPU" if bd.host_bytes else ""))
+        split = plan.setup.device_map != "none"
+        ranks = f" x {plan.setup.gpus} GPUs" if plan.setup.gpus > 1 and not split else ""
+        ranks += "; one process, the layers split over the GPUs" if split else ""
         console.print(f"speed: ~{plan.tokens_per_s:,.0f} tokens/s · {plan.step_time_s:.2f} s per step of "
                       f"{plan.global_batch} x {plan.setup.seq} tokens (micro-batch {plan.setup.batch} x grad accum "
-                      f"{plan.setup.grad_accum}{f' x {plan.setup.gpus} GPUs' if plan.setup.gpus > 1 else ''})")
+                      f"{plan.setup.grad_accum}{ranks})")
     if plan.alternatives:
         table = Table(title="alternatives (Pareto: memory · speed · quality)", title_justify="left",
                       show_edge=False, pad_edge=False)

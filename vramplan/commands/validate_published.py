@@ -13,7 +13,16 @@ from .options import corrections_for, print_json
 def run_published(as_json: bool, no_calibration: bool = False, calibration_file: str | None = None,
                   records_path: str | None = None) -> None:
     from ..profiles import load_gpu
-    from ..published import UNDER, compare, estimate_record, excluded, exclusion_counts, load_records, summarize
+    from ..published import (
+        UNDER,
+        compare,
+        estimate_record,
+        excluded,
+        exclusion_counts,
+        load_records,
+        summarize,
+        token_slopes,
+    )
 
     records = load_records(records_path)
     applied: dict = {}
@@ -25,12 +34,16 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
 
     rows = sorted(compare(records, estimator=estimator), key=lambda r: (r.quantity, r.error))
     summary = summarize(rows)
+    slopes = token_slopes(records, rows)
     out = excluded(records)
     calibration = sorted({c.calibration.group if c.calibration else "none (raw model)" for c in applied.values()})
     if as_json:
         print_json({"calibration": calibration, "under_threshold": UNDER,
                     "rows": [dict(r.__dict__, error=r.error) for r in rows],
-                    "summary": [s.__dict__ for s in summary], "excluded": [e.__dict__ for e in out]})
+                    "summary": [s.__dict__ for s in summary],
+                    "token_slopes": [dict(t.__dict__, excess_per_token=t.excess_per_token, error=t.error)
+                                     for t in slopes],
+                    "excluded": [e.__dict__ for e in out]})
         return
     click.echo(f"calibration: {', '.join(calibration)} (the device terms are fitted on these runs' allocated vs "
                f"nvidia-smi: the device total column is in-sample)" if not no_calibration else
@@ -52,6 +65,8 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
             click.echo(f"{s.key}: median |error| {s.median_abs_error:.1%}, p90 {s.p90_abs_error:.1%}, "
                        f"under-estimated by more than {UNDER:.0%} in {s.under_share:.0%} of {s.rows} rows")
     click.echo()
+    _echo_slopes(slopes)
+    click.echo()
     click.echo(f"{len(records)} records: {len({r.id for r in rows})} comparable, {len(out)} excluded")
     for reason, n in exclusion_counts(records):
         click.echo(f"  {n:4d}  {reason}")
@@ -59,3 +74,15 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
     click.echo("excluded rows")
     for e in out:
         click.echo(f"  {e.id[:60]:60s} {e.source:40s} {e.reason}")
+
+
+def _echo_slopes(slopes) -> None:
+    """Rows that differ only in the micro-batch: bytes per added token per GPU, measured vs estimated."""
+    click.echo("per-token slopes (rows differing only in the micro-batch; bytes per added token per GPU)")
+    click.echo(f"{'rows (fewer -> more tokens)':64s} {'quantity':12s} {'gpus':>4s} {'fsdp':10s} {'meas B/tok':>10s} "
+               f"{'est B/tok':>10s} {'excess':>9s} {'error':>7s} phases")
+    for t in slopes:
+        pair = f"{t.ids[0][:52]} -> {t.ids[1].rsplit('-', 1)[-1]}"
+        error = "-" if t.error is None else f"{t.error:+.1%}"
+        click.echo(f"{pair[:64]:64s} {t.quantity:12s} {t.gpus:4d} {t.fsdp:10s} {t.measured_per_token:10.0f} "
+                   f"{t.estimated_per_token:10.0f} {t.excess_per_token:+9.0f} {error:>7s} {'/'.join(t.phases)}")

@@ -6,11 +6,13 @@
 - :func:`emit_to_dir` is the only function that writes: atomically, file by file, and never into
   an existing non-empty directory unless ``force``.
 
-Formats: ``deepspeed``, ``accelerate``, ``trainer``. ``trainer`` writes train.py, launch.sh,
+Formats: ``deepspeed``, ``accelerate``, ``trainer``, and the frameworks' own configs ``axolotl``,
+``llamafactory``, ``trl``, ``torchtune`` (:mod:`vramplan.emit.frameworks`). ``trainer`` writes train.py, launch.sh,
 vramplan.json (the plan and the estimate it was made from), the model's config.json, and the config
 files its launch command reads (ds_config.json for ZeRO plans, accelerate_config.yaml, the
 hostfile of a multi-node DeepSpeed plan), so that the emitted directory runs as its header says.
-Without an explicit list, ``deepspeed`` is emitted only for plans that use ZeRO.
+Without an explicit list, ``deepspeed`` is emitted only for plans that use ZeRO, and no framework
+config is written.
 """
 
 from __future__ import annotations
@@ -35,17 +37,22 @@ from .common import (
     uses_deepspeed,
 )
 from .deepspeed import deepspeed_config
-from .trainer import hostfile, launch_script, train_script
+from .frameworks import FRAMEWORKS, framework_files, framework_run
+from .trainer import hostfile, launch_script, objective_script, train_script
 
-FORMATS = ("deepspeed", "accelerate", "trainer")
+#: the DPO/GRPO trainer train.py imports for a plan with an objective (emit/templates/trl_objective.py.tmpl)
+OBJECTIVE_SCRIPT = "trl_objective.py"
+
+FORMATS = ("deepspeed", "accelerate", "trainer", *FRAMEWORKS)
 
 __all__ = ["FORMATS", "accelerate_config", "check_out_dir", "deepspeed_config", "default_formats", "emit_to_dir",
-           "launch_command", "launch_commands", "parse_formats", "render", "train_script"]
+           "framework_run", "launch_command", "launch_commands", "parse_formats", "render", "run_command",
+           "train_script", "write_back_to_dir"]
 
 
 def default_formats(plan: Plan) -> tuple[str, ...]:
     """Every format the plan uses: DeepSpeed only with ZeRO."""
-    return FORMATS if uses_deepspeed(plan) else ("accelerate", "trainer")
+    return ("deepspeed", "accelerate", "trainer") if uses_deepspeed(plan) else ("accelerate", "trainer")
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
@@ -86,12 +93,29 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
         files[ACCELERATE_CONFIG] = acc.dumps(plan, accelerate_config(plan))
     if "trainer" in formats:
         files[TRAIN_SCRIPT] = train_script(plan, model=model)
+        if plan.setup.objective != "sft":  # DPO/GRPO: TRL's trainer beside train.py
+            files[OBJECTIVE_SCRIPT] = objective_script()
         files[LAUNCH_SCRIPT] = launch_script(plan)
         if plan.nodes > 1 and uses_deepspeed(plan):
             files[HOSTFILE] = hostfile(plan)
         files[MODEL_CONFIG] = json.dumps(model.config, indent=2) + "\n"
+    for name in formats:
+        if name in FRAMEWORKS:  # their companion files yield to the deepspeed/accelerate/trainer formats'
+            for file_name, text in framework_files(plan, name, model).items():
+                files.setdefault(file_name, text)
     files[PLAN_FILE] = dumps_plan(plan)
     return files
+
+
+def run_command(plan: Plan, formats: tuple[str, ...] | list[str] | None = None) -> str:
+    """The command that runs what ``formats`` wrote: train.py's launch command, or the first
+    framework config's when no train.py is written."""
+    formats = default_formats(plan) if formats is None else tuple(formats)
+    if "trainer" not in formats:
+        for name in formats:
+            if name in FRAMEWORKS:
+                return framework_run(plan, name)
+    return launch_command(plan)
 
 
 def check_out_dir(out_dir: str | os.PathLike, force: bool) -> None:
@@ -119,3 +143,19 @@ def emit_to_dir(plan: Plan, out_dir: str | os.PathLike, formats: tuple[str, ...]
     files = render(plan, formats, model=model)
     data = {name: text.encode("utf-8") for name, text in files.items()}
     return write_files(out_dir, data, executable=frozenset({LAUNCH_SCRIPT, TRAIN_SCRIPT}))
+
+
+def write_back_to_dir(read, source_setup, plan: Plan, out_dir: str | os.PathLike, force: bool = False, *,
+                      model: ModelSpec, as_written) -> list[Path]:
+    """``plan --from FILE --emit DIR``: FILE (``read``, a :class:`vramplan.readers.ReadConfig`)
+    written into ``out_dir`` with only the plan's changes to ``source_setup`` changed
+    (:func:`vramplan.emit.writeback.write_back`); written as :func:`emit_to_dir` writes. FILE itself
+    is never touched."""
+    from ..fileio import write_files
+    from .writeback import write_back
+
+    check_out_dir(out_dir, force)
+    files = write_back(read, source_setup, plan, model, as_written)
+    if Path(out_dir).resolve() == Path(read.path).resolve().parent and Path(read.path).name in files:
+        raise SpecError(f"--emit {out_dir} would overwrite {read.path}; write it into another directory")
+    return write_files(out_dir, {name: text.encode("utf-8") for name, text in files.items()})

@@ -53,13 +53,14 @@ def accelerate_config(plan: Plan) -> dict:
         }
         cfg["mixed_precision"] = MIXED_PRECISION[s.precision]
     else:
-        cfg["distributed_type"] = "MULTI_GPU" if s.gpus > 1 else "NO"
+        # a layer split (device_map) is one process over every GPU: no data parallelism
+        cfg["distributed_type"] = "MULTI_GPU" if s.gpus > 1 and s.device_map == "none" else "NO"
         cfg["mixed_precision"] = _AUTOCAST[s.precision]
     cfg.update(
         downcast_bf16="no",
         machine_rank=0,
         num_machines=plan.nodes,
-        num_processes=s.gpus,
+        num_processes=1 if s.device_map != "none" else s.gpus,
         gpu_ids="all",
         main_training_function="main",
         rdzv_backend="static",

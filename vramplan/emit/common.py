@@ -65,6 +65,8 @@ def launcher(plan: Plan) -> str:
     GPUs without ZeRO) or ``python`` (one GPU, nothing sharded)."""
     if uses_deepspeed(plan):
         return "deepspeed"
+    if plan.setup.device_map != "none":  # a layer split is one process driving every GPU: not torchrun
+        return "python"
     if fsdp_mode(plan) != "none" or plan.setup.gpus > 1:
         return "accelerate"
     return "python"
@@ -93,6 +95,8 @@ def launch_commands(plan: Plan) -> tuple[str, ...]:
         if fsdp_mode(plan) != "none":
             return (f"{acc} {script}",)
         return (f"{acc} {script}", f"torchrun --nproc_per_node {s.gpus} {script}")
+    if s.device_map != "none":  # one process: accelerate launch would start one per GPU
+        return (f"python {script}",)
     return (f"python {script}", f"{acc} {script}")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from ..specs import ModelSpec, Plan
+from ..specs import ModelSpec, Plan, SpecError
 from .common import MODEL_CONFIG, comment, default_lr, header_lines, launch_commands, plan_model, uses_deepspeed
 
 #: vramplan optimizer -> TrainingArguments.optim (transformers' OptimizerNames).
@@ -37,9 +37,17 @@ def script_plan(plan: Plan, model: ModelSpec | None = None) -> dict:
     """The ``PLAN`` mapping train.py reads: the Setup in the words of transformers/peft (LoRA and
     quantization keys only where the plan uses them). ``model``: the plan's ModelSpec, if known."""
     s = plan.setup
+    if s.optimizer_in_backward:
+        raise SpecError("optimizer_in_backward cannot be emitted for the HF Trainer (transformers 5.24 steps "
+                        "per parameter in backward only for its GaLore/APOLLO 'layerwise' optimizers); run it "
+                        "with torchtune (optimizer_in_bwd: True) or plan without it")
     data: dict = {"model": _hub_id(plan, model) or "ID_OR_PATH", "method": s.method}
     if s.adapters:
         data.update(lora_r=s.lora_rank, lora_alpha=s.alpha, lora_dropout=s.lora_dropout, lora_targets=s.lora_targets)
+        if s.modules_to_save.strip():  # LoraConfig(modules_to_save=[...]): names the estimate accepted
+            data["modules_to_save"] = [m.strip() for m in s.modules_to_save.split(",") if m.strip()]
+        if s.dora:
+            data["dora"] = True  # LoraConfig(use_dora=True)
     data["quant"] = s.quant
     if s.quant in ("gptq", "awq"):
         data.update(quant_bits=s.quant_bits, quant_group_size=s.quant_group_size)
@@ -56,13 +64,31 @@ def script_plan(plan: Plan, model: ModelSpec | None = None) -> dict:
         checkpointing=s.checkpointing,
         attn=s.attn,
         loss=s.loss,
+        **({"liger": True} if s.liger else {}),  # Trainer(use_liger_kernel=True)
+        **({"padding_free": True} if s.padding_free else {}),  # DataCollatorWithFlattening
+        # from_pretrained(device_map=...): the layers split over this process's GPUs
+        **({"device_map": s.device_map} if s.device_map != "none" else {}),
         batch=s.batch,
         seq=s.seq,
         grad_accum=s.grad_accum,
         # parameters partitioned across GPUs (ZeRO-3, FSDP): 4-bit weights are stored in bf16 then
         sharded=s.zero_stage == 3 or getattr(s, "fsdp", "none") not in ("none", None),
     )
+    if s.eval_batch:  # per_device_eval_batch_size with eval_strategy="steps" (estimator/eval_step.py)
+        data["eval_batch"] = s.eval_batch
+    if s.objective != "sft":  # DPO/GRPO (trl_objective.py): lengths and reference as the estimate read them
+        from ..estimator.objectives import lengths, reference
+
+        lens = lengths(s)
+        data.update(objective=s.objective, ref_model=reference(s), prompt_length=lens.prompt,
+                    completion_length=lens.completion, num_generations=s.num_generations, beta=0.04,
+                    generation=s.generation, vllm_memory_fraction=s.vllm_memory_fraction)
     return data
+
+
+def objective_script() -> str:
+    """trl_objective.py: the DPOTrainer / GRPOTrainer train.py builds for a DPO/GRPO plan."""
+    return (resources.files("vramplan.emit") / "templates" / "trl_objective.py.tmpl").read_text(encoding="utf-8")
 
 
 def quant_storage(s) -> str:

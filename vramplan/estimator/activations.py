@@ -15,6 +15,7 @@ picks flash attention for a causal step without a mask (q, k, v, output, fp32 lo
 from __future__ import annotations
 
 from ..specs import ModelSpec, Setup
+from . import liger
 from .lora import adapted_linears, converted_moe, expert_lora_params
 from .precision import (
     adapter_dtype_bytes,
@@ -55,6 +56,8 @@ def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: in
     - layernorm (F.layer_norm): input (c*w) and mean and rstd;
     - cohere (CohereLayerNorm in fp32): x - mean computed twice (2 x 4w), rsqrt, fp32 normalised.
     """
+    if setup.liger and model.traits.norm in ("rms", "rms_fp32_mul"):  # LigerRMSNorm (estimator/liger.py)
+        return liger.norm_bytes(model, setup, width, rows)
     w, c = width or model.hidden_size, compute_bytes(setup)
     style = model.traits.norm
     if style == "rms":
@@ -112,6 +115,8 @@ def mlp_bytes(model: ModelSpec, setup: Setup) -> float:
     c, i = compute_bytes(setup), model.intermediate_size
     full = setup.method == "full"
     act = ACTIVATION_SAVES.get(model.activation, 1)
+    if model.mlp_kind == "gated" and setup.liger:  # LigerSiLUMulFunction (estimator/liger.py)
+        return liger.mlp_bytes(model, setup)
     if model.mlp_kind == "gated":
         return c * i * (act + 2) + (c * i if full else 0)
     return c * i * act + (c * i if full else 0)
@@ -276,8 +281,11 @@ def moe_lora_weight_bytes(model: ModelSpec, setup: Setup) -> float:
     each MoE layer's expert stack (and router) for the forward, and grouped_mm keeps that copy
     for backward, with the factors cast to the experts' dtype (``get_delta_factors``: ``.to(param.dtype)``;
     no copy when the adapters already have it: 16-bit under DeepSpeed stage 1/2, fp32 on a k-bit
-    prepared base, whose experts are upcast). Summed over the MoE layers."""
-    if not (setup.adapters and converted_moe(model)):
+    prepared base, whose experts are upcast). Summed over the MoE layers. No ParamWrapper, no copy:
+    when the targets leave the experts and router alone (q_proj,k_proj,v_proj,o_proj), peft 0.21
+    wraps none of the 3-D expert parameters and the experts run on their own weights (read off the
+    fake-tensor trace of the real step: vramplan trace, Mixtral-8x7B LoRA on q/k/v/o)."""
+    if not (setup.adapters and converted_moe(model) and expert_lora_params(model, setup)):
         return 0.0
     moe, h, c = model.moe, model.hidden_size, compute_bytes(setup)
     E, ei = moe.num_experts, moe.expert_intermediate_size
@@ -337,4 +345,6 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         total += c * h  # chunked loss: checkpoint keeps its chunks' input, the final norm's output
     if t.final_logit_softcapping and setup.loss == "hf":
         total += c * V  # tanh output of the final soft-capping (Gemma2)
+    if setup.liger:  # the fused linear cross-entropy (estimator/liger.py)
+        total += liger.global_delta_per_token(model, setup)
     return total

@@ -72,8 +72,8 @@ _STATE_FIXED = {"lion": 4, "adafactor": 4, "paged-adamw-8bit": 2 * (1 + 4 / 256)
 
 
 def is_ddp(setup: Setup) -> bool:
-    """Plain data parallelism: several GPUs, neither ZeRO nor FSDP."""
-    return setup.gpus > 1 and not setup.zero_stage and setup.fsdp == "none"
+    """Plain data parallelism: several GPUs, neither ZeRO nor FSDP (nor one process's layer split)."""
+    return setup.gpus > 1 and not setup.zero_stage and setup.fsdp == "none" and setup.device_map == "none"
 
 
 def ddp_bucket_bytes(gradient_bytes: int) -> int:

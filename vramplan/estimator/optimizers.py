@@ -101,37 +101,55 @@ def _param_bytes(setup: Setup, weight_bytes: int) -> int:
 def state_bytes(model: ModelSpec, setup: Setup, weight_bytes: int) -> int:
     """Optimizer states on the device (paged bitsandbytes states excluded: see paged_bytes)."""
     pb = _param_bytes(setup, weight_bytes)
-    opt = setup.optimizer
-    total = 0
-    for shape, count, embedding in _tensors(model, setup):
-        n = _numel(shape)
-        if opt in ("adamw", "adamw-fused"):
-            per = 2 * n * pb
-        elif opt == "sgd":
-            per = n * pb
-        elif opt == "lion":
-            per = 4 * n
-        elif opt in ("adamw-8bit", "paged-adamw-8bit"):
-            if embedding:  # the Trainer's 32-bit override: two fp32 states, paged when large
-                per = 0 if opt == "paged-adamw-8bit" and n >= BNB_PAGED_MIN_NUMEL else 8 * n
-            elif n < BNB_MIN_8BIT_SIZE:
-                per = 8 * n
-            else:
-                blocks = -(-n // BNB_BLOCK)
-                paged = opt == "paged-adamw-8bit" and n >= BNB_PAGED_MIN_NUMEL
-                per = 2 * 4 * blocks + (0 if paged else 2 * n)
-        else:  # adafactor
-            per = 4 * (_numel(shape[:-1]) + _numel(shape[:-2] + shape[-1:])) if len(shape) >= 2 else 4 * n
-        total += count * per
-    return total
+    return sum(count * tensor_state_bytes(setup.optimizer, shape, pb, embedding)
+               for shape, count, embedding in _tensors(model, setup))
+
+
+def tensor_state_bytes(opt: str, shape: Shape, pb: int, embedding: bool = False) -> int:
+    """Device bytes of optimizer ``opt``'s states for one tensor of ``shape`` whose parameter
+    has ``pb`` bytes per element (``embedding``: an ``nn.Embedding`` weight; see the module
+    docstring; paged states excluded)."""
+    n = _numel(shape)
+    if opt in ("adamw", "adamw-fused"):
+        return 2 * n * pb
+    if opt == "sgd":
+        return n * pb
+    if opt == "lion":
+        return 4 * n
+    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+        if embedding:  # the Trainer's 32-bit override: two fp32 states, paged when large
+            return 0 if opt == "paged-adamw-8bit" and n >= BNB_PAGED_MIN_NUMEL else 8 * n
+        if n < BNB_MIN_8BIT_SIZE:
+            return 8 * n
+        blocks = -(-n // BNB_BLOCK)
+        paged = opt == "paged-adamw-8bit" and n >= BNB_PAGED_MIN_NUMEL
+        return 2 * 4 * blocks + (0 if paged else 2 * n)
+    # adafactor
+    return 4 * (_numel(shape[:-1]) + _numel(shape[:-2] + shape[-1:])) if len(shape) >= 2 else 4 * n
+
+
+def tensor_paged_bytes(opt: str, shape: Shape, embedding: bool = False) -> int:
+    """bitsandbytes' paged (managed) state bytes of one tensor (0 unless paged AdamW 8-bit)."""
+    n = _numel(shape)
+    if opt != "paged-adamw-8bit" or n < BNB_PAGED_MIN_NUMEL:
+        return 0
+    return (8 if embedding else 2) * n
+
+
+def tensor_step_bytes(opt: str, shape: Shape, pb: int) -> int:
+    """What one tensor's ``step()`` allocates (AdamW foreach: a state-sized list; Adafactor: its
+    fp32 copies; the others update in place)."""
+    n = _numel(shape)
+    if opt == "adamw":
+        return n * pb
+    if opt == "adafactor":
+        return (16 if pb < 4 else 8) * n
+    return 0
 
 
 def paged_bytes(model: ModelSpec, setup: Setup) -> int:
     """bitsandbytes' paged states (managed memory): on the device, invisible to torch's counters."""
-    if setup.optimizer != "paged-adamw-8bit":
-        return 0
-    return sum((8 if embedding else 2) * _numel(s) * c
-               for s, c, embedding in _tensors(model, setup) if _numel(s) >= BNB_PAGED_MIN_NUMEL)
+    return sum(c * tensor_paged_bytes(setup.optimizer, s, embedding) for s, c, embedding in _tensors(model, setup))
 
 
 def step_transient_bytes(model: ModelSpec, setup: Setup, weight_bytes: int) -> int:

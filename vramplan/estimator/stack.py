@@ -33,6 +33,9 @@ class Stack:
     """The transformers version an estimate models ("5" unless a record or a caller says)."""
 
     transformers: str = MODELLED_VERSIONS["transformers"]
+    #: TRL's fused log-prob head runs its Triton kernels (CUDA); False: its torch fold, as on the CPU
+    #: (trl/kernels/chunked_logprob.py ``_use_triton``; estimator/objectives.py)
+    trl_triton: bool = True
 
     def __post_init__(self) -> None:
         _version(self.transformers)  # raises on a non-version

@@ -18,8 +18,9 @@ from ..setup_checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..units import PRECISION_WEIGHT_DTYPE
 from . import activations as act
+from . import eval_step, knobs, objectives, transients
+from . import layer_split_memory as split_memory
 from . import optimizers as opt_rules
-from . import transients
 from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
 from .distributed import StepActivations, ZeroMemory, zero_memory, zero_phase_peaks
 from .fsdp import FsdpMemory, ddp_bucket_bytes, fsdp_memory, fsdp_phase_peaks, is_ddp
@@ -55,20 +56,39 @@ def estimate(
     notes += stack_notes(model, setup, stack)
     cast = _autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)
-    acts = _activations(model, setup, stack)
-    phase_peaks, recompute = _phase_peaks(model, setup, states, cast, acts)
-    phase = max(PHASES, key=lambda p: phase_peaks[p])
+    pset = setup if setup.objective == "sft" else objectives.policy_setup(setup, stack)  # DPO/GRPO rows
+    acts = _activations(model, pset, stack, setup)
+    phase_peaks, recompute = _phase_peaks(model, pset, states, cast, acts)
+    split = None
+    if setup.device_map != "none":  # a layer split: the fullest GPU's terms (estimator/layer_split_memory.py)
+        ends = (_layer_backward(model, pset, acts, model.num_layers - 1)[0], *_layer_backward(model, pset, acts, 0))
+        split = split_memory.fullest_rank(model, setup, gpu, corrections, states, cast.head, acts, ends)
+        states, acts, phase_peaks, notes = split.states, split.acts, split.phase_peaks, notes + list(split.notes)
+    extra = _objective(model, setup, gpu, states, acts, phase_peaks, stack)
+    phase_peaks = {**extra.phases, **{p: b + extra.ref_weights for p, b in phase_peaks.items()}}
+    notes += extra.notes
+    ev_rest = states.weights + states.adapters + states.optimizer_states + states.buffers
+    ev_peaks, ev_comps, ev_notes = eval_step.eval_phase(  # --eval-batch: the eval step (estimator/eval_step.py)
+        model, setup, ev_rest, states.cast_cache)
+    phase_peaks, notes = {**phase_peaks, **ev_peaks}, notes + list(ev_notes)
+    phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     tensor_peak = phase_peaks[phase]
 
-    allocated, reserved, device_total, overheads = device_overheads(tensor_peak, setup.gpus, gpu, corrections)
+    allocated, reserved, device_total, overheads = device_overheads(tensor_peak, 1 if split else setup.gpus, gpu,
+                                                                    corrections)
     # bitsandbytes' paged states are managed memory: on the device, outside torch's allocator
-    paged = opt_rules.paged_bytes(model, setup)
-    device_total += paged
+    paged = split.paged if split else opt_rules.paged_bytes(model, setup) + knobs.knob_states(model, setup).paged
+    notes += eval_step.eval_fit_note(  # --eval-batch: the eval batch that fits
+        model, setup, gpu, phase_peaks, ev_rest, states.cast_cache,
+        lambda t: device_overheads(t, 1 if split else setup.gpus, gpu, corrections)[2] + paged)
+    notes += objectives.vllm_room_note(setup, gpu, device_total + paged)
+    device_total += paged + objectives.vllm_share_bytes(setup, gpu)  # vLLM colocated: its share of the card
     return Breakdown(
         model=model.name,
         setup=setup,
         tier="analytic",
-        components=_components(setup, states, acts, recompute, paged, overheads),
+        components=eval_step.with_eval_phase(setup, objectives.with_objective_phases(
+            setup, _components(pset, states, acts, recompute, paged, overheads)) + extra.components) + ev_comps,
         phase_peaks_bytes=phase_peaks,
         phase=phase,
         tensor_peak_bytes=int(tensor_peak),
@@ -76,12 +96,13 @@ def estimate(
         peak_reserved_bytes=int(reserved),
         device_total_bytes=int(device_total),
         params_total=model.params_total,
-        params_trainable=trainable_params(model, setup),
+        params_trainable=trainable_params(model, setup) + knobs.knob_states(model, setup).params,
         host_bytes=int(states.host),
         gpu=gpu,
         notes=tuple(notes),
         error_band=corrections.bands or DEFAULT_ERROR_BANDS,  # the documented default when uncalibrated
         calibration=corrections.calibration,
+        per_rank=split.per_rank if split else (),
     )
 
 
@@ -105,15 +126,22 @@ class ModelStates:
     fsdp_gathered: int = 0  # FSDP's unsharded root unit and one layer unit
     zero: ZeroMemory | None = None
     fsdp: FsdpMemory | None = None
+    trained_modules: int = 0  # of ``adapters``: modules_to_save copies and DoRA magnitudes (estimator/knobs.py)
 
 
 def _model_states(model: ModelSpec, setup: Setup) -> ModelStates:
-    """Weights, adapters, gradients, optimizer states and step transient of one unsharded GPU."""
-    return ModelStates(
-        weights=weights_bytes(model, setup), adapters=adapter_bytes(model, setup),
-        gradients=gradient_bytes(model, setup), optimizer_states=optimizer_state_bytes(model, setup),
-        optimizer_step=optimizer_step_transient_bytes(model, setup),
+    """Weights, adapters, gradients, optimizer states and step transient of one unsharded GPU
+    (with what modules_to_save and DoRA train beside the adapters: estimator/knobs.py)."""
+    k = knobs.knob_states(model, setup)
+    states = ModelStates(
+        weights=weights_bytes(model, setup), adapters=adapter_bytes(model, setup) + k.weights,
+        gradients=gradient_bytes(model, setup) + k.gradients,
+        optimizer_states=optimizer_state_bytes(model, setup) + k.optimizer_states,
+        optimizer_step=optimizer_step_transient_bytes(model, setup) + k.optimizer_step, trained_modules=k.weights,
     )
+    if setup.optimizer_in_backward:  # one parameter's gradient (and step) at a time
+        states = dataclasses.replace(states, gradients=knobs.in_backward_gradient(model, setup), optimizer_step=0)
+    return states
 
 
 @dataclass(frozen=True)
@@ -137,6 +165,8 @@ def _autocast_cache(model: ModelSpec, setup: Setup) -> AutocastCache:
         cast_head = sum(l.count * l.weight_params for l in model.linears if l.role == "head") * 2
         if model.tie_word_embeddings:
             cast_head += model.vocab_size * model.hidden_size * 2
+        if setup.liger:  # the fused linear cross-entropy casts the head in its forward only (estimator/liger.py)
+            cast_cache, cast_head = cast_cache - cast_head, 0
     return AutocastCache(cast_cache, cast_head, (cast_cache - cast_head) / max(model.num_layers, 1))
 
 
@@ -184,14 +214,17 @@ class StepActivationTerms:
     attention_backward: float  # the attention and norm gradient temporaries
     dequantization: int  # a quantized Linear's backward dequantization
     dequantization_forward: int  # one Linear dequantized in the forward (GPTQ; AWQ over 1024 rows)
+    dora_norm: int = 0  # DoRA: the widest adapted Linear's weight-norm temporaries (estimator/knobs.py)
 
 
-def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK) -> StepActivationTerms:
+def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
+                 user: Setup | None = None) -> StepActivationTerms:
     """Per layer (token-sized, plus weight-sized for peft's merged MoE experts), outside the layers,
-    the loss, and the dequantization transients."""
+    the loss, and the dequantization transients. ``user``: the Setup of a DPO/GRPO run whose policy
+    step ``setup`` is (its loss is TRL's fused head: estimator/objectives.py)."""
     aset = setup  # (under FSDP's MixedPrecision precision.mixed() reads it as the 16-bit step)
     N, L = setup.tokens, model.num_layers
-    layer_tok = act.layer_bytes_per_token(model, aset) * N
+    layer_tok = (act.layer_bytes_per_token(model, aset) + knobs.dora_saved_per_token(model, aset)) * N
     merged_total = act.moe_lora_weight_bytes(model, aset)
     merged_layer = merged_total / model.moe.num_moe_layers if merged_total else 0
     kept_tok = act.checkpoint_bytes_per_token(model, aset) * N if setup.checkpointing else layer_tok
@@ -199,9 +232,12 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK) -
     # only while it is recomputed)
     D_layer = gptq_saved_weights_bytes_per_layer(model, setup)
     A_deq = 0 if setup.checkpointing else int(L * D_layer)
-    A_layers = int(L * kept_tok + (0 if setup.checkpointing else merged_total)) + A_deq
+    A_layers = int(L * kept_tok + (0 if setup.checkpointing else merged_total + knobs.dora_saved_fixed(model, aset)))
+    A_layers += A_deq
     A_glob = int(act.global_bytes_per_token(model, aset) * N)
     logits_fwd, logits_bwd = transients.loss_transients(model, aset, stack)
+    if user is not None and (user.objective != "sft" or user.loss == "trl"):  # TRL's fused head (objectives.py)
+        logits_fwd, logits_bwd, A_glob = objectives.loss_transients(model, user, stack)
     T_attn = transients.attention_backward_transient_per_token(model, aset) * N
     T_deq = dequantization_transient_bytes(model, setup)
     # a GPTQ forward dequantizes each Linear in turn (the largest counts); its backward reuses the
@@ -219,7 +255,7 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK) -
         setup=aset, compute_bytes=compute_bytes(aset), layer_kept=kept_tok, merged_total=merged_total,
         merged_layer=merged_layer, dequantized_layer=D_layer, dequantized=A_deq, layers=A_layers, model_io=A_glob,
         logits_forward=logits_fwd, logits_backward=logits_bwd, attention_backward=T_attn, dequantization=T_deq,
-        dequantization_forward=T_deq_fwd,
+        dequantization_forward=T_deq_fwd, dora_norm=knobs.dora_forward_transient(model, aset),
     )
 
 
@@ -232,8 +268,9 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     aset, c, N, h = a.setup, a.compute_bytes, setup.tokens, model.hidden_size
     attn_side, mlp_side = act.layer_split_per_token(model, aset, idx)
     merged = a.merged_layer if act.is_moe_layer(model, idx) else 0
-    saved = (attn_side + mlp_side) * N + merged + a.dequantized_layer
-    t_mlp = transients.mlp_backward_transient_per_token(model, aset, idx) * N
+    saved = (attn_side + mlp_side + knobs.dora_saved_per_token(model, aset)) * N + merged + a.dequantized_layer
+    t_mlp = (transients.mlp_backward_transient_per_token(model, aset, idx) * N
+             + knobs.dora_backward_transient(model, aset))
     if merged:
         t_mlp += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
     # the dequantized weight (down_proj's, first in the MLP's backward) appears beside the
@@ -244,8 +281,9 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     transient = max(t_grad, a.dequantization) if apart else t_grad + a.dequantization
     kept = a.layer_kept if setup.checkpointing else saved
     extra = (saved if setup.checkpointing else 0) + transient + c * N * h
-    if setup.checkpointing:  # the recomputed forward's widest LoRA projection
-        extra = max(extra, transients.lora_forward_peak_per_token(model, aset, idx) * N + c * N * h)
+    if setup.checkpointing:  # the recomputed forward's widest LoRA projection (DoRA: its weight norm)
+        extra = max(extra, transients.lora_forward_peak_per_token(model, aset, idx) * N + c * N * h,
+                    saved + knobs.dora_forward_transient(model, aset, recompute=True))
     return extra, kept
 
 
@@ -294,6 +332,9 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
     if setup.checkpointing and merged_total:
         in_layer = base + cast_cache + accum_grads + A_layers + merged_layer + c * N * h * (model.moe.top_k + 2)
     forward = max(at_loss, in_layer)
+    if setup.dora:  # the last layer's widest DoRA Linear's weight norm (estimator/knobs.py), before the head
+        forward = max(forward, base + cast_cache - cast.head + accum_grads + A_layers
+                      + knobs.dora_forward_transient(model, setup))
     if a.dequantization_forward:  # the last layer's largest Linear being dequantized
         forward = max(forward, base + cast_cache + accum_grads + A_layers + a.dequantization_forward + c * N * h)
     start = base + cast_cache + accum_grads + A_layers + a.model_io + a.logits_backward
@@ -316,7 +357,25 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
         last = base + cast_bottom + G + bottom_kept + bottom_extra
         backward = max(start, first, last, base + G)
     optimizer = W + A_w + G + S + T_opt + st.buffers
+    if setup.optimizer_in_backward:  # G is one parameter's (estimator/knobs.py); a tied one's meet at the end
+        tied, G_in = knobs.tied_gradient_bytes(model, setup), knobs.in_backward_gradient(model, setup, in_layers=True)
+        first = base + cast_top + G_in + tied + A_layers + top_extra
+        last = base + cast_bottom + G_in + tied + bottom_kept + bottom_extra
+        start += knobs.in_backward_head_gradient(model, setup)
+        backward = max(start, first, last, base + max(G, 3 * tied) + c * N * h)
+        optimizer = W + A_w + S + st.buffers
     return {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}
+
+
+def _objective(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, st: ModelStates, a: StepActivationTerms,
+               peaks: dict[str, int], stack: Stack) -> objectives.ObjectiveMemory:
+    """DPO/GRPO: the reference and generation phases and the reference copy (estimator/objectives.py)."""
+    if setup.objective == "sft":  # --loss trl: SFTTrainer's fused head (its refusals and notes)
+        return objectives.ObjectiveMemory(0, {}, (), tuple(objectives.check_trl_sft(model, setup)))
+    objectives.check_objective(model, setup, gpu)
+    resting = st.weights + st.adapters + st.optimizer_states + st.buffers
+    after_forward = resting + a.layers + a.model_io
+    return objectives.objective_memory(model, setup, gpu, resting, after_forward, stack)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,7 +391,10 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
     comps = [
         Component("weights", st.weights, PHASES,
                   note=_weights_note(setup) if st.fsdp is None else "this rank's FSDP shards"),
-        Component("adapters", st.adapters, PHASES, note="LoRA A/B in fp32") if st.adapters else None,
+        Component("adapters", st.adapters - st.trained_modules, PHASES, note="LoRA A/B in fp32")
+        if st.adapters else None,
+        Component("trained_modules", st.trained_modules, PHASES, note=knobs.trained_modules_note(setup))
+        if st.trained_modules else None,
         Component("autocast_weight_cache", st.cast_cache, fb, note="half copies of weights under autocast")
         if st.cast_cache else None,
         Component("gradients", st.gradients, ("backward", "optimizer") if setup.grad_accum == 1 else PHASES),
@@ -347,13 +409,17 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
         Component("dequantization", max(T_deq, T_deq_fwd), fb,
                   note="one Linear's weight dequantized (estimate only: validate)")
         if setup.quant in ("gptq", "awq") and max(T_deq, T_deq_fwd) else None,
+        Component("dora_weight_norm", a.dora_norm, fb, note="one Linear's W + s*BA in fp32 and the eye(in) "
+                  "its LoRA weight is built from") if a.dora_norm else None,
         Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb,
                   note="layer inputs kept by checkpointing") if setup.checkpointing else None,
         Component("recompute", recompute, ("backward",), note="one layer recomputed, with its gradient temporaries")
         if recompute else None,
         Component("model_io_activations", a.model_io, fb, note="embeddings, final norm, fp32 log-probs"),
         Component("logits_loss", logits, fb,
-                  note="logits, fp32 upcast and its gradient" if setup.loss == "hf"
+                  note="TRL's fused log-prob head (4096 x 32768 tiles, fp32 gradients)"
+                  if setup.objective != "sft" or setup.loss == "trl"
+                  else "logits, fp32 upcast and its gradient" if setup.loss == "hf"
                   else f"one {transients.LOSS_CHUNK_TOKENS}-token chunk at a time (chunked loss)"),
         Component("deepspeed_buffers", st.buffers, PHASES) if st.buffers and not st.ddp_buckets else None,
         Component("ddp_buckets", st.ddp_buckets, PHASES, note="DDP gradient buckets (a copy of the gradients)")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..estimator.eval_step import eval_unmodelled
 from ..inputs import load_structured, setup_from_mapping
 from ..specs import SpecError
 from .common import Mapped, ReadConfig, ReadWarning
 from .planning import Change, PlanInputs, merge_fixed, plan_inputs, setup_changes
 
 __all__ = ["FORMATS", "Change", "PlanInputs", "ReadConfig", "ReadWarning", "detect", "merge_fixed", "plan_inputs",
-           "read_config", "setup_changes"]
+           "read_config", "read_trl_args", "setup_changes"]
 
 #: format name -> what it is
 FORMATS = {
@@ -94,6 +95,18 @@ def read_config(path, format: str | None = None, *, accelerate=None) -> ReadConf
     ``accelerate``: an accelerate config YAML the run is launched with (its GPU count and, unless
     the config names its own, its DeepSpeed or FSDP setup)."""
     path = Path(path)
+    m = Mapped()
+    if accelerate is not None:
+        from .launch import read_accelerate
+
+        read_accelerate(load_structured(accelerate, "accelerate config"), str(accelerate), m)
+    from .trl_args import COMMAND_SUFFIXES, read_command_file
+
+    if path.suffix.lower() in COMMAND_SUFFIXES:  # a shell file with the `trl sft ...` command line
+        detected, data = read_command_file(path, m)
+        if format not in (None, "hf", "trl"):
+            raise SpecError(f"{path}: a command line reads as TRL or HF TrainingArguments flags, not {format}")
+        return _finish(data, path, format or detected, m)
     data = load_structured(path, "training config")
     detected = detect(data, json=path.suffix.lower() == ".json")
     if format is None:
@@ -108,16 +121,37 @@ def read_config(path, format: str | None = None, *, accelerate=None) -> ReadConf
                         f"(or pass --format {detected})")
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a {format} config must be a mapping of fields")
+    return _finish(data, path, format, m)
+
+
+def read_trl_args(argv, *, accelerate=None, format: str = "trl") -> ReadConfig:
+    """Read a TRL (``format="trl"``) or HF Trainer script's (``"hf"``) command-line flags, an
+    argument list or one string, parsed as ``HfArgumentParser`` parses them
+    (:mod:`vramplan.readers.trl_args`): ``read_trl_args("--model_name_or_path X --use_peft")``."""
+    from .trl_args import args_fields
+
+    if format not in ("trl", "hf"):
+        raise SpecError(f"command-line flags read as trl or hf; got {format!r}")
     m = Mapped()
     if accelerate is not None:
         from .launch import read_accelerate
 
         read_accelerate(load_structured(accelerate, "accelerate config"), str(accelerate), m)
+    data = args_fields(argv, m, trl=format == "trl")
+    return _finish(data, Path.cwd() / "command-line", format, m)
+
+
+def _finish(data: dict, path: Path, format: str, m: Mapped) -> ReadConfig:
     _readers()[format](data, path, m)
     if m.gpus is not None:
         m.setup["gpus"] = m.gpus
     elif m.setup.get("zero_stage") or m.setup.get("fsdp", "none") != "none":
         m.assume("gpus", None, "the config does not fix the GPU count: 1 assumed (pass --gpus N)")
     setup = setup_from_mapping(dict(m.setup), str(path))
+    why = eval_unmodelled(setup)
+    if why:  # an eval the estimate cannot model yet: a warning, the training step's peak only
+        m.ignore("eval_batch", m.setup.pop("eval_batch"), f"an eval step with {why} is not modelled yet: the "
+                 "training step's peak only")
+        setup = setup.replace(eval_batch=0)
     return ReadConfig(path=str(path), format=format, model=m.model, setup=setup, gpus=m.gpus,
                       warnings=tuple(m.warnings), fields=dict(m.setup))

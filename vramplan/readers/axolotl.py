@@ -14,7 +14,8 @@ Defaults and semantics, from its source:
   own dtype casts nothing);
 - ``src/axolotl/loaders/model.py``: ``adapter: qlora`` with ``load_in_4bit`` is bitsandbytes NF4
   with double quantization; ``src/axolotl/loaders/adapter.py``: ``lora_target_linear`` adds every
-  Linear but the output head (peft's ``all-linear``), ``lora_modules_to_save`` trains full copies.
+  Linear but the output head (peft's ``all-linear``), ``lora_modules_to_save`` trains full copies
+  (``--modules-to-save``) and ``peft_use_dora`` is ``LoraConfig(use_dora=...)`` (``--dora``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ _DEPRECATED_ATTN = (("flash_attention", "flash_attention_2"), ("sdp_attention", 
 
 #: keys that change memory in ways vramplan does not model, and why
 _UNMODELLED = {
-    "peft_use_dora": "DoRA is not modelled: plain LoRA assumed",
-    "lora_modules_to_save": "fully trained module copies are not modelled: adapters only",
     "torch_compile": "torch.compile is not modelled: eager kernels assumed",
     "flash_attn_cross_entropy": "flash-attn's fused cross-entropy is not modelled: the HF loss assumed",
     "flash_attn_fuse_mlp": "flash-attn's fused MLP is not modelled: transformers' MLP assumed",
@@ -60,6 +59,12 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
     _method(f, m)
     s["seq"] = f.int("sequence_len", 512)
     s["batch"] = f.int("micro_batch_size", 1)
+    # axolotl evaluates when it has an eval split (val_set_size > 0 or test_datasets), at eval_batch_size
+    # (default micro_batch_size), unless eval_strategy is "no": its own phase (estimator/eval_step.py)
+    if (f.float("val_set_size", 0.0) or f.has("test_datasets")) and str(f.str("eval_strategy", "steps")) != "no":
+        s["eval_batch"] = f.int("eval_batch_size", s["batch"])
+    elif f.has("eval_batch_size"):
+        m.ignore("eval_batch_size", f.raw("eval_batch_size"), "no evaluation runs (no val_set_size or test_datasets)")
     s["grad_accum"] = f.int("gradient_accumulation_steps", 1)
     ckpt = f.bool("gradient_checkpointing", False, extra=("offload", "offload_disk"))
     s["checkpointing"] = bool(ckpt)
@@ -76,8 +81,11 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
     s["optimizer"] = optimizer_from_name(f.str("optimizer", "adamw_torch_fused"), m, "optimizer")
     s["precision"] = _precision(f, m)
     packing = f.bool("sample_packing", False)
-    if packing:
-        m.ignore("sample_packing", True, f"packing is not modelled: sequences of sequence_len ({s['seq']}) assumed")
+    if packing and s["attn"] == "flash":  # multipack: rows of sequence_len, position_ids per sample, flash varlen
+        s["padding_free"] = True
+    elif packing:
+        m.ignore("sample_packing", True, "packing without flash attention (a block-diagonal mask) is not modelled: "
+                 f"sequences of sequence_len ({s['seq']}) assumed")
     elif not f.bool("pad_to_sequence_len", False):
         m.assume("pad_to_sequence_len", False, "batches padded to their longest row: every row of sequence_len "
                  f"({s['seq']}) assumed, an upper bound")
@@ -87,15 +95,32 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
         read_fsdp(f.raw("fsdp", "full_shard"), f.sub("fsdp_config"), m, "fsdp_config")
         if f.int("fsdp_version", None) == 2:
             m.ignore("fsdp_version", 2, "FSDP2 (fully_shard) is modelled as accelerate's FSDP1")
+    liger = _liger(data, f.names("plugins", ()), m)
     for key in sorted(data):
-        if key.startswith("liger_") and data[key]:
-            m.ignore(key, data[key], "Liger kernels are not modelled: transformers' modules assumed")
+        if key.startswith("liger_") and data[key] and not liger:
+            m.ignore(key, data[key], "only LigerPlugin with liger_rms_norm, liger_glu_activation and "
+                     "liger_fused_linear_cross_entropy all on is modelled: transformers' modules assumed")
         elif key in _UNMODELLED and data[key] not in (None, False, [], ""):
             m.ignore(key, data[key], _UNMODELLED[key])
     plugins = f.names("plugins", ())
     for plugin in plugins:
         if "liger" not in plugin.lower():
             m.ignore("plugins", plugin, "axolotl plugins are not modelled")
+
+
+def _liger(data: dict, plugins, m: Mapped) -> bool:
+    """axolotl's LigerPlugin (axolotl/integrations/liger: ``liger_rope``, ``liger_rms_norm``,
+    ``liger_glu_activation`` (``liger_swiglu`` its old name), ``liger_fused_linear_cross_entropy``,
+    each None by default) applies liger-kernel's ``apply_liger_kernel_to_<model_type>`` with them:
+    ``--liger`` when the norm, the gated MLP and the fused loss are all on (RoPE changes no saved
+    tensor)."""
+    if not any("liger" in str(p).lower() for p in plugins):
+        return False
+    glu = data.get("liger_glu_activation", data.get("liger_swiglu"))
+    if data.get("liger_rms_norm") and glu and data.get("liger_fused_linear_cross_entropy"):
+        m.setup["liger"] = True
+        return True
+    return False
 
 
 def _method(f: Fields, m: Mapped) -> None:
@@ -106,6 +131,9 @@ def _method(f: Fields, m: Mapped) -> None:
         s["method"] = "full"
         if four or eight:
             m.ignore("load_in_4bit" if four else "load_in_8bit", True, "no adapter: axolotl trains the full model")
+        for key in ("peft_use_dora", "lora_modules_to_save"):
+            if f.raw(key) not in (None, False, [], ""):
+                m.ignore(key, f.raw(key), "no adapter: axolotl trains the full model")
         return
     if adapter not in ("lora", "qlora"):
         raise f.bad("adapter", "lora or qlora (other adapters are not modelled)", adapter)
@@ -136,6 +164,11 @@ def _method(f: Fields, m: Mapped) -> None:
     else:
         m.assume("lora_target_modules", None, "no targets: peft's default for the model (q_proj,v_proj) assumed")
         s["lora_targets"] = "q_proj,v_proj"
+    if f.bool("peft_use_dora", False):  # loaders/adapter.py: LoraConfig(use_dora=cfg.peft_use_dora)
+        s["dora"] = True
+    saved = f.names("lora_modules_to_save", ())
+    if saved:  # LoraConfig(modules_to_save=cfg.lora_modules_to_save)
+        s["modules_to_save"] = ",".join(saved)
 
 
 def _attn(f: Fields, m: Mapped) -> str:

@@ -30,14 +30,11 @@ __all__ = ["read_llamafactory"]
 _ATTN = {"auto": "auto", "disabled": "eager", "sdpa": "sdpa", "fa2": "flash", "fa3": "flash"}
 
 _UNMODELLED = {
-    "enable_liger_kernel": "Liger kernels are not modelled: transformers' modules assumed",
     "use_unsloth_gc": "unsloth's offloaded checkpointing is not modelled: checkpoints stay on the GPU",
     "use_unsloth": "unsloth's kernels are not modelled",
     "upcast_lmhead_output": "an fp32 lm_head output is not modelled beyond the HF loss's fp32 upcast",
     "upcast_layernorm": "fp32 layernorm weights are not modelled",
     "neat_packing": "packing is not modelled: sequences of cutoff_len assumed",
-    "use_dora": "DoRA is not modelled: plain LoRA assumed",
-    "additional_target": "fully trained module copies are not modelled: adapters only",
     "use_galore": "GaLore is not modelled: the optimizer over every trainable parameter assumed",
     "use_apollo": "APOLLO is not modelled: the optimizer over every trainable parameter assumed",
     "use_badam": "BAdam is not modelled: the optimizer over every trainable parameter assumed",
@@ -62,6 +59,12 @@ def read_llamafactory(data: dict, path: Path, m: Mapped) -> None:
     kind = f.str("finetuning_type", "lora")
     if kind not in ("lora", "oft", "freeze", "full"):
         raise f.bad("finetuning_type", "lora, oft, freeze or full", kind)
+    if f.bool("enable_liger_kernel", False):  # model/model_utils/liger_kernel.py: apply_liger_kernel_to_<type>
+        if stage in ("pt", "sft"):
+            s["liger"] = True
+        else:  # require_logits: fused_linear_cross_entropy=False, cross_entropy=True
+            m.ignore("enable_liger_kernel", True, f"Liger without its fused loss (stage {stage}) is not modelled: "
+                     "transformers' modules assumed")
     if f.bool("packing", stage == "pt"):
         m.ignore("packing", True, f"packing is not modelled: sequences of cutoff_len ({s['seq']}) assumed")
     if stage in ("ppo", "rm") or (stage in ("dpo", "kto") and kind in ("full", "freeze")):
@@ -82,6 +85,11 @@ def read_llamafactory(data: dict, path: Path, m: Mapped) -> None:
         s["lora_dropout"] = f.float("lora_dropout", 0.0)
         targets = f.names("lora_target", ("all",))
         s["lora_targets"] = "all-linear" if targets == ("all",) else ",".join(targets)
+        if f.bool("use_dora", False):  # model/adapter.py: LoraConfig(use_dora=...)
+            s["dora"] = True
+        saved = f.names("additional_target", ())
+        if saved:  # model/adapter.py: LoraConfig(modules_to_save=finetuning_args.additional_target)
+            s["modules_to_save"] = ",".join(saved)
         _quant(f, m)
         if pure:
             m.ignore("pure_bf16", True, "bf16 adapters are not modelled: peft's fp32 adapters assumed")

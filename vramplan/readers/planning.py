@@ -29,11 +29,16 @@ __all__ = ["KEPT", "SEARCHED_OPTIMIZERS", "Change", "PlanInputs", "kept_knobs", 
 #: the 8-bit saver) is kept as the file has it
 SEARCHED_OPTIMIZERS = frozenset({"adamw", "adamw-fused", "adamw-8bit"})
 
-#: the Setup knobs a plan from a file keeps when the file's setup uses them (quality choices)
+#: the Setup knobs a plan from a file keeps when the file's setup uses them (quality choices, the data
+#: pipeline, the objective)
 KEPT = ("method", "quant", "double_quant", "quant_bits", "quant_group_size", "lora_rank", "lora_alpha",
-        "lora_dropout", "lora_targets", "precision", "loss", "optimizer", "attn")
+        "lora_dropout", "lora_targets", "precision", "loss", "optimizer", "attn", "dora", "modules_to_save",
+        "padding_free", "liger", "objective", "max_prompt_length", "max_completion_length", "num_generations",
+        "ref_model", "generation", "vllm_memory_fraction", "eval_batch")
 
-_ADAPTER_KNOBS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+_ADAPTER_KNOBS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "dora", "modules_to_save")
+_OBJECTIVE_KNOBS = ("objective", "max_prompt_length", "max_completion_length", "num_generations", "ref_model",
+                    "generation", "vllm_memory_fraction")
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ def kept_knobs(setup: Setup) -> dict[str, Any]:
     quantization details only with the base they belong to."""
     kept = {"method": setup.method, "quant": setup.quant, "precision": setup.precision, "loss": setup.loss}
     if setup.method != "full":
-        kept.update({k: getattr(setup, k) for k in _ADAPTER_KNOBS})
+        kept.update({k: getattr(setup, k) for k in _ADAPTER_KNOBS if k not in ("dora", "modules_to_save")})
+        kept.update({k: getattr(setup, k) for k in ("dora", "modules_to_save") if getattr(setup, k)})  # when used
     if setup.quant in ("nf4", "fp4"):
         kept["double_quant"] = setup.double_quant
     if setup.quant in ("gptq", "awq"):
@@ -76,15 +82,34 @@ def kept_knobs(setup: Setup) -> dict[str, Any]:
         kept["optimizer"] = setup.optimizer
     if setup.attn == "flash":  # the search adds FlashAttention only where the default is eager
         kept["attn"] = "flash"
+    if setup.padding_free:  # the collator the file's data runs through (needs flash attention: kept above)
+        kept["padding_free"] = True
+    if setup.liger:  # a file that runs Liger keeps it; one without it may get it as a memory saver
+        kept["liger"] = True
+    if setup.eval_batch:  # the run's evals (estimator/eval_step.py): judged for fit, never searched
+        kept["eval_batch"] = setup.eval_batch
+    if setup.objective != "sft":
+        kept.update({k: getattr(setup, k) for k in _OBJECTIVE_KNOBS})
     if setup.method == "full" and setup.quant == "none":
         kept.pop("quant")  # nothing to keep: a full fine-tune has no base quantization to choose
     return kept
 
 
-def plan_inputs(read: ReadConfig, model: str | None = None, gpus: int | None = None) -> PlanInputs:
+#: what a 16-bit precision the config leaves to the GPU (``bf16: auto``) becomes on a GPU without bf16:
+#: axolotl's ``resolve_dtype`` (src/axolotl/utils/config/__init__.py) falls back to fp16
+_WITHOUT_BF16 = {"bf16": "fp16", "bf16-mixed": "fp16-mixed"}
+
+
+def _bf16_left_to_gpu(read: ReadConfig) -> bool:
+    """The config's bf16 is ``auto`` (the reader assumed a GPU with bf16)."""
+    return any(w.kind == "assumed" and w.field == "bf16" and w.value == "auto" for w in read.warnings)
+
+
+def plan_inputs(read: ReadConfig, model: str | None = None, gpus: int | None = None, gpu=None) -> PlanInputs:
     """What a plan of ``read`` keeps and searches. ``model`` replaces the file's model; ``gpus``
     (the user's ``--gpus``) is the count the plan is for; the file's own count, when it fixes one,
-    is the one its setup and global batch are on (else ``gpus``, else 1)."""
+    is the one its setup and global batch are on (else ``gpus``, else 1). ``gpu`` (a GpuSpec)
+    settles what the file leaves to the GPU: ``bf16: auto`` is fp16 on a card without bf16."""
     from ..specs import SpecError
 
     name = model or read.model
@@ -92,6 +117,8 @@ def plan_inputs(read: ReadConfig, model: str | None = None, gpus: int | None = N
         raise SpecError(f"{read.path}: names no model; pass the model as MODEL")
     file_gpus = read.gpus or gpus or 1
     setup = read.setup.replace(gpus=file_gpus)
+    if gpu is not None and not gpu.bf16 and setup.precision in _WITHOUT_BF16 and _bf16_left_to_gpu(read):
+        setup = setup.replace(precision=_WITHOUT_BF16[setup.precision])
     return PlanInputs(model=name, setup=setup, gpus=gpus or file_gpus, seq=setup.seq,
                       global_batch=setup.batch * setup.grad_accum * file_gpus, fixed=kept_knobs(setup))
 

@@ -53,7 +53,6 @@ _OPTIMIZERS = {
 
 _UNMODELLED = {
     "enable_activation_offloading": "activation offloading is not modelled: activations stay on the GPU",
-    "optimizer_in_bwd": "the optimizer step fused into backward is not modelled: all gradients assumed live",
     "compile": "torch.compile is not modelled: eager kernels assumed",
 }
 
@@ -98,6 +97,8 @@ def read_torchtune(data: dict, path: Path, m: Mapped) -> None:
     if chosen == "adamw" and opt is not None and opt.bool("fused", False):
         chosen = "adamw-fused"
     s["optimizer"] = chosen
+    if f.bool("optimizer_in_bwd", False):  # training/memory.py: one optimizer per parameter, stepped in backward
+        s["optimizer_in_backward"] = True
     ds = f.sub("dataset")
     if ds is not None and ds.bool("packed", False):
         m.ignore("dataset.packed", True, "packing is not modelled: sequences of max_seq_len assumed")

@@ -13,6 +13,20 @@ Defaults, read off the sources of the versions modelled:
   ``use_peft=False``, ``lora_r=16``, ``lora_alpha=32``, ``lora_dropout=0.05``,
   ``lora_target_modules=None`` (peft's per-model default), ``load_in_4bit/8bit=False``,
   ``bnb_4bit_quant_type="nf4"``, ``use_bnb_nested_quant=False``.
+- transformers 5.24 renamed ``gradient_checkpointing(_kwargs)`` to ``activation_checkpointing(_kwargs)``
+  (``TrainingArguments.__post_init__``: the old names are aliases used when the new one is unset).
+- FSDP with ``bf16``/``fp16`` (accelerate 1.15 ``Accelerator.prepare_model``, FSDP1, and
+  ``utils/fsdp_utils.py`` ``fsdp2_prepare_model``): transformers sets accelerate's
+  ``mixed_precision`` from the flag (``training_args.py``: ``ACCELERATE_MIXED_PRECISION``), and with
+  ``mixed_precision != "no"`` accelerate upcasts every *trainable* low-precision flat parameter to
+  fp32 (DeepSpeed's fp32 masters) and runs MixedPrecision(param_dtype=16 bits): whatever the load
+  dtype, a full fine-tune is vramplan's ``-mixed``; frozen units (a LoRA base) keep their load
+  dtype, so a 16-bit LoRA base stays pure 16-bit (a warning: the adapters then compute in 16 bits).
+  Without the flag there is no policy and no upcast: the load dtype is the precision.
+
+Every field of a file that is not a field HfArgumentParser knows (``hf_fields``: the real
+TrainingArguments of transformers 5.24 and TRL 1.16's own configs, generated from them) is a
+warning: a misspelt ``per_device_batch_size`` would otherwise read as the default batch.
 """
 
 from __future__ import annotations
@@ -20,12 +34,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import Fields, Mapped, attn_from_name, optimizer_from_name
+from .hf_fields import TRAINING_ARGUMENTS, TRANSFORMERS_VERSION, TRL_FIELDS, TRL_VERSION
 from .launch import read_deepspeed_file, read_fsdp
 
-__all__ = ["load_precision", "read_hf", "read_trl", "training_arguments"]
+__all__ = ["DTYPES", "SCRIPT_FIELDS", "load_precision", "lora_setup", "read_hf", "read_trl", "training_arguments",
+           "trl_loss_precision", "trl_trainer_fields", "unknown_fields"]
 
-_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
-           "auto": "auto"}
+DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
+          "auto": "auto"}
+
+#: what the example scripts' own argument dataclasses add beside TrainingArguments and that
+#: read_hf reads (transformers' examples ModelArguments/DataTrainingArguments)
+SCRIPT_FIELDS = frozenset({"model_name_or_path", "max_length", "max_seq_length", "dtype", "torch_dtype",
+                           "attn_implementation", "model_init_kwargs"})
 
 
 def load_precision(load: str, amp: str | None, m: Mapped, key: str) -> str:
@@ -36,6 +57,13 @@ def load_precision(load: str, amp: str | None, m: Mapped, key: str) -> str:
     if load == "auto":
         m.assume(key, "auto", "the checkpoint's dtype: bf16 assumed (the shipped models' torch_dtype)")
         load = "bf16"
+    if amp and m.setup.get("fsdp", "none") != "none" and load != "fp32":
+        # accelerate upcasts trainable flat parameters to fp32 under mixed_precision (module docstring)
+        if m.setup.get("method", "full") == "full":
+            return f"{amp}-mixed"
+        m.assume("bf16" if amp == "bf16" else "fp16", True, f"FSDP mixed precision over a {load} LoRA base: the "
+                 f"frozen base stays {load} (accelerate upcasts only trainable units), modelled as pure {load}")
+        return load
     if load == "fp32":
         return f"{amp}-mixed" if amp else "fp32"
     if amp and amp != load:
@@ -49,40 +77,89 @@ def training_arguments(f: Fields, path: Path, m: Mapped, *, trl: bool) -> str | 
     s = m.setup
     s["batch"] = f.int("per_device_train_batch_size", 8)
     s["grad_accum"] = f.int("gradient_accumulation_steps", 1)
-    s["checkpointing"] = f.bool("gradient_checkpointing", trl)
-    kwargs = f.sub("gradient_checkpointing_kwargs")
-    if s["checkpointing"] and kwargs is not None and kwargs.bool("use_reentrant", False):
-        m.ignore("gradient_checkpointing_kwargs.use_reentrant", True,
-                 "reentrant checkpointing is not modelled: use_reentrant=False assumed")
+    # transformers 5.24: activation_checkpointing(_kwargs), gradient_checkpointing(_kwargs) its alias
+    name = "activation_checkpointing" if f.has("activation_checkpointing") else "gradient_checkpointing"
+    s["checkpointing"] = f.bool(name, trl)
+    kw_name = "activation_checkpointing_kwargs" if f.has("activation_checkpointing_kwargs") else \
+        "gradient_checkpointing_kwargs"
+    kwargs = _dict_field(f, kw_name)
+    if s["checkpointing"] and kwargs is not None:
+        if kwargs.bool("use_reentrant", False):
+            m.ignore(f"{kw_name}.use_reentrant", True, "reentrant checkpointing is not modelled: use_reentrant=False "
+                     "assumed")
+        if kwargs.bool("offload", False):  # transformers 5.24 Trainer: saved activations to the host
+            m.ignore(f"{kw_name}.offload", True, "offloaded checkpoints are not modelled: they stay on the GPU")
+        if kwargs.int("every_n_layers", 1) != 1:
+            m.ignore(f"{kw_name}.every_n_layers", kwargs.raw("every_n_layers"), "checkpointing every n-th layer is not "
+                     "modelled: every layer checkpointed")
     s["optimizer"] = optimizer_from_name(f.str("optim", "adamw_torch_fused"), m, "optim")
     fp16 = f.bool("fp16", False)
     bf16 = f.bool("bf16", trl and not fp16)
     if f.has("deepspeed"):
-        read_deepspeed_file(f.raw("deepspeed"), path, m)
-    if f.has("fsdp") and f.raw("fsdp") not in ("", []):
-        read_fsdp(f.raw("fsdp"), f.sub("fsdp_config"), m, "fsdp_config")
-    if f.has("per_device_eval_batch_size"):
+        read_deepspeed_file(_json_or_path(f.raw("deepspeed")), path, m)
+    if f.has("fsdp") and f.raw("fsdp") not in ("", [], False):
+        read_fsdp(f.raw("fsdp"), _dict_field(f, "fsdp_config"), m, "fsdp_config")
+    if f.bool("use_liger_kernel", False):  # Trainer: integrations/liger.py apply_liger_kernel
+        m.setup["liger"] = True
+    # the Trainer evaluates every eval_steps (eval_strategy) or when a script calls evaluate (do_eval), at
+    # per_device_eval_batch_size (default 8 whatever the train batch): its own phase (estimator/eval_step.py)
+    if str(f.str("eval_strategy", "no")).lower() not in ("no", "intervalstrategy.no") or f.bool("do_eval", False):
+        m.setup["eval_batch"] = f.int("per_device_eval_batch_size", 8)
+    elif f.has("per_device_eval_batch_size"):
         m.ignore("per_device_eval_batch_size", f.raw("per_device_eval_batch_size"),
-                 "evaluation is not modelled: the training step's peak")
+                 "no evaluation runs (eval_strategy \"no\", no do_eval): its batch is no memory")
     for key, why in (("torch_compile", "torch.compile is not modelled: eager kernels assumed"),
-                     ("use_liger_kernel", "Liger kernels are not modelled: transformers' modules assumed"),
                      ("tf32", None), ("auto_find_batch_size", "the batch is per_device_train_batch_size")):
         if why and f.bool(key, False):
             m.ignore(key, True, why)
     return "bf16" if bf16 else "fp16" if fp16 else m.amp
 
 
+def _json_or_path(value):
+    """A dict field given on a command line: TrainingArguments parses a string starting with ``{``
+    as JSON (``__post_init__``, ``_VALID_DICT_FIELDS``); anything else stays (a path)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        import json
+
+        from ..specs import SpecError
+
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise SpecError(f"not valid JSON: {value!r} ({exc})") from None
+    return value
+
+
+def _dict_field(f: Fields, key: str) -> Fields | None:
+    value = _json_or_path(f.raw(key))
+    return None if value is None else Fields({key: value}, f.where, f.prefix).sub(key)
+
+
+def unknown_fields(f: Fields, m: Mapped, *, trl: bool) -> None:
+    """A warning for every field that is not a field of TrainingArguments (transformers
+    ``TRANSFORMERS_VERSION``), of the example scripts' arguments read_hf reads, or with ``trl``
+    of TRL's configs (TRL ``TRL_VERSION``)."""
+    # trl: also accelerate's num_processes, which a TRL config may carry for `trl ... --config`, and
+    # ``env`` (TrlParser.parse_args_and_config sets those environment variables)
+    known = TRAINING_ARGUMENTS.keys() | SCRIPT_FIELDS | (TRL_FIELDS.keys() | {"num_processes", "env"} if trl else set())
+    what = (f"TrainingArguments (transformers {TRANSFORMERS_VERSION}) or TRL {TRL_VERSION}" if trl
+            else f"TrainingArguments (transformers {TRANSFORMERS_VERSION})")
+    for key in f.data:
+        if key not in known:
+            m.ignore(str(key), f.data[key], f"not a field of {what}: nothing read from it")
+
+
 def _load_dtype(f: Fields, default: str, m: Mapped) -> str:
-    kwargs = f.sub("model_init_kwargs")
+    kwargs = _dict_field(f, "model_init_kwargs")
     value = f.raw("dtype", f.raw("torch_dtype"))
     key = "dtype"
     if value is None and kwargs is not None:
         value, key = kwargs.raw("dtype", kwargs.raw("torch_dtype")), "model_init_kwargs.dtype"
     if value is None:
         return default
-    if value not in _DTYPES:
-        raise f.bad(key, "one of " + ", ".join(_DTYPES), value)
-    return _DTYPES[value]
+    if value not in DTYPES:
+        raise f.bad(key, "one of " + ", ".join(DTYPES), value)
+    return DTYPES[value]
 
 
 def read_hf(data: dict, path: Path, m: Mapped) -> None:
@@ -100,6 +177,74 @@ def read_hf(data: dict, path: Path, m: Mapped) -> None:
     load = _load_dtype(f, "auto", m)
     m.setup["precision"] = load_precision(load, amp, m, "dtype")
     m.setup["attn"] = attn_from_name(f.str("attn_implementation"), m, "attn_implementation")
+    unknown_fields(f, m, trl=False)
+
+
+def trl_trainer_fields(f: Fields, m: Mapped, *, sft: bool = True) -> None:
+    """What TRL's trainer configs add to TrainingArguments (SFTConfig 1.16): ``max_length``
+    (default 1024; ``max_seq_length`` its old name), packing, padding-free, activation offloading."""
+    m.setup["seq"] = f.int("max_length", None) or f.int("max_seq_length", 1024)
+    # SFTConfig: padding_free, and always with packing_strategy "bfd" (the default), flattens each
+    # micro-batch into one row with per-sequence position_ids, for flash attention only (TRL warns else)
+    bfd = f.bool("packing", False) and f.str("packing_strategy", "bfd") == "bfd"
+    if f.bool("padding_free", False) or bfd:
+        key = "padding_free" if f.bool("padding_free", False) else "packing"
+        if "flash" in (f.str("attn_implementation", "") or ""):
+            m.setup["padding_free"] = True
+        else:
+            m.ignore(key, True, "padding-free batches without flash attention (SDPA/eager get a block-diagonal N x N "
+                     "mask; TRL warns) are not modelled: batch x max_length assumed")
+    for key, why in (("packing", "packing is not modelled: sequences of max_length assumed"),
+                     ("activation_offloading", "activation offloading is not modelled: activations stay on the GPU")):
+        if f.bool(key, False) and not (key == "packing" and bfd):
+            m.ignore(key, True, why)
+    # trl 1.16 sft_trainer.py SFTTrainer.__init__: add_fused_lm_head (trl/kernels/chunked_logprob.py)
+    # always replaces the head's logits and transformers' loss: --loss trl (estimator/objectives.py);
+    # label smoothing (and a compute_loss_func) computes the full logits instead, the head under no_grad
+    if sft:
+        if f.float("label_smoothing_factor", 0.0) > 0:
+            m.assume("label_smoothing_factor", f.raw("label_smoothing_factor"), "TRL 1.16's SFTTrainer computes the "
+                     "full logits for label smoothing: transformers' full-logits loss assumed (its extra no-grad pass "
+                     "through the fused head is not modelled)")
+        else:
+            m.setup["loss"] = "trl"
+            if f.str("loss_type", "nll") != "nll":
+                m.assume("loss_type", f.raw("loss_type"), "DFT weights the fused head's log-probs (N-sized): "
+                         "modelled as loss trl")
+
+
+def trl_loss_precision(m: Mapped) -> None:
+    """``--loss trl`` is modelled without autocast (estimator/objectives.py ``check_trl_sft``): a
+    mixed-precision TRL run is read with transformers' full-logits loss, and says so."""
+    if m.setup.get("loss") == "trl" and str(m.setup.get("precision", "")).endswith("-mixed"):
+        m.setup.pop("loss")
+        m.assume("loss", "trl", "TRL's fused LM head under autocast (fp32 weights, bf16/fp16 on) is not modelled: "
+                 "transformers' full-logits loss assumed (load the model in bf16 to model TRL's head)")
+
+
+def lora_setup(m: Mapped, *, r: int, alpha: int, dropout: float, targets, four_bit: str | None = None,
+               double_quant: bool = False, eight_bit: bool = False, use_dora: bool = False,
+               modules_to_save=None, target_key: str = "lora_target_modules") -> None:
+    """A LoRA adapter into ``m.setup``: TRL ModelConfig's fields or a peft ``LoraConfig``'s
+    (``targets``: None for peft's per-model default, names, or ``all-linear``; ``four_bit``: the
+    bitsandbytes 4-bit quant type of a QLoRA base; ``modules_to_save``: the modules trained in
+    full beside the adapters; ``use_dora``: DoRA); ``target_key``: the field a warning names."""
+    s = m.setup
+    s["method"] = "qlora" if four_bit else "lora"
+    s["lora_rank"], s["lora_alpha"], s["lora_dropout"] = r, alpha, dropout
+    if targets is None:
+        m.assume(target_key, None, "peft's default for the model: q_proj,v_proj assumed")
+        targets = ("q_proj", "v_proj")
+    targets = tuple(targets)
+    s["lora_targets"] = "all-linear" if targets in (("all-linear",), ("all_linear",)) else ",".join(targets)
+    if four_bit:
+        s["quant"], s["double_quant"] = four_bit, double_quant
+    elif eight_bit:
+        s["quant"] = "int8"
+    if use_dora:  # peft LoraConfig(use_dora=True): a magnitude vector per adapted Linear
+        s["dora"] = True
+    if modules_to_save:  # peft ModulesToSaveWrapper: a trained full copy of each module
+        s["modules_to_save"] = ",".join(modules_to_save)
 
 
 def read_trl(data: dict, path: Path, m: Mapped) -> None:
@@ -108,41 +253,29 @@ def read_trl(data: dict, path: Path, m: Mapped) -> None:
     m.model = f.str("model_name_or_path")
     amp = training_arguments(f, path, m, trl=True)
     s = m.setup
-    s["seq"] = f.int("max_length", None) or f.int("max_seq_length", 1024)
-    for key, why in (("packing", "packing is not modelled: sequences of max_length assumed"),
-                     ("padding_free", "padding-free batches are not modelled: batch x max_length assumed"),
-                     ("activation_offloading", "activation offloading is not modelled: activations stay on the GPU"),
-                     ("use_dora", "DoRA is not modelled: plain LoRA assumed"),
-                     ("use_rslora", None)):
-        if why and f.bool(key, False):
-            m.ignore(key, True, why)
-    if f.has("lora_modules_to_save"):
-        m.ignore("lora_modules_to_save", f.raw("lora_modules_to_save"),
-                 "fully trained module copies are not modelled: adapters only")
+    trl_trainer_fields(f, m)
     s["attn"] = attn_from_name(f.str("attn_implementation"), m, "attn_implementation")
     load = _load_dtype(f, "fp32", m)  # ModelConfig.dtype defaults to float32
     four, eight = f.bool("load_in_4bit", False), f.bool("load_in_8bit", False)
     if f.bool("use_peft", False):
-        s["method"] = "qlora" if four else "lora"
-        s["lora_rank"] = f.int("lora_r", 16)
-        s["lora_alpha"] = f.int("lora_alpha", 32)
-        s["lora_dropout"] = f.float("lora_dropout", 0.05)
-        targets = f.names("lora_target_modules")
-        if targets is None:
-            m.assume("lora_target_modules", None, "peft's default for the model: q_proj,v_proj assumed")
-            targets = ("q_proj", "v_proj")
-        s["lora_targets"] = "all-linear" if targets in (("all-linear",), ("all_linear",)) else ",".join(targets)
+        quant = None
         if four:
             quant = f.str("bnb_4bit_quant_type", "nf4")
             if quant not in ("nf4", "fp4"):
                 raise f.bad("bnb_4bit_quant_type", "nf4 or fp4", quant)
-            s["quant"] = quant
-            s["double_quant"] = f.bool("use_bnb_nested_quant", False)
-        elif eight:
-            s["quant"] = "int8"
-    elif four or eight:
-        m.ignore("load_in_4bit" if four else "load_in_8bit", True, "a quantized base needs use_peft: full fine-tune "
-                 "of the unquantized model assumed")
+        lora_setup(m, r=f.int("lora_r", 16), alpha=f.int("lora_alpha", 32), dropout=f.float("lora_dropout", 0.05),
+                   targets=f.names("lora_target_modules"), four_bit=quant,
+                   double_quant=f.bool("use_bnb_nested_quant", False), eight_bit=eight,
+                   use_dora=f.bool("use_dora", False), modules_to_save=f.names("lora_modules_to_save"))
+    else:
+        if four or eight:
+            m.ignore("load_in_4bit" if four else "load_in_8bit", True, "a quantized base needs use_peft: full "
+                     "fine-tune of the unquantized model assumed")
+        for key in ("use_dora", "lora_modules_to_save"):
+            if f.has(key) and f.raw(key) is not False:
+                m.ignore(key, f.raw(key), "use_peft is off: no adapter")
     s["precision"] = load_precision(load, amp, m, "dtype")
+    trl_loss_precision(m)
     if f.has("num_processes"):
         m.gpus = f.int("num_processes")
+    unknown_fields(f, m, trl=True)

@@ -48,7 +48,17 @@ class Measure:
     Phases: ``forward`` (a forward pre-hook on the model), ``backward`` (around the Trainer's
     ``accelerator.backward``), ``optimizer`` (``on_pre_optimizer_step``, after clipping; with
     DeepSpeed, around ``engine.step``, which accelerate calls inside ``backward``).
+
+    ``accelerator``: set by whoever holds the Trainer (:mod:`vramplan.run.worker`); a callback
+    added to a user's Trainer has none (a ``TrainerCallback`` is not given the Trainer), and then
+    ``backward`` starts when the model's forward returns (a forward hook: the loss the model
+    computes is in ``forward``, what the Trainer computes after it in ``backward``).
+    Request keys: ``device``, ``steps``, ``tokens_per_step``, ``cpu_memory_cap_bytes``, and
+    ``cpu_foreach`` (default True: on the CPU, AdamW's groups are switched to ``foreach`` as torch
+    defaults to on CUDA; False leaves a user's optimizer as it is).
     """
+
+    accelerator = None
 
     def __init__(self, request: dict, status_path: Path | None) -> None:
         self.device = request["device"]
@@ -66,6 +76,8 @@ class Measure:
         self.step_times: list[tuple[float, bool]] = []  # (seconds, counted)
         self.step = 0
         self._t0 = 0.0
+        self.cpu_foreach = bool(request.get("cpu_foreach", True))
+        self.hooks: list = []
 
     # phases -----------------------------------------------------------------------------------
     def set_phase(self, name: str) -> None:
@@ -111,11 +123,23 @@ class Measure:
 
         from .cpu_truth import quant_state_tensors
 
-        if self.device == "cpu" and optimizer is not None:
+        if self.device == "cpu" and optimizer is not None and self.cpu_foreach:
             for group in optimizer.param_groups:  # torch's default on CUDA
                 if "foreach" in group and not group.get("fused"):
                     group["foreach"] = True
-        model.register_forward_pre_hook(lambda *_: self.set_phase("forward"))
+        self.hooks = [model.register_forward_pre_hook(lambda *_: self.set_phase("forward"))]
+        if self.accelerator is None:  # no Trainer at hand: the backward phase starts after the forward
+            self.hooks.append(model.register_forward_hook(lambda *_: self.set_phase("backward")))
+        else:
+            self._wrap_accelerator()
+        self.counter.track(model, optimizer, quant_state_tensors(model), all_tensors(torch))
+        self.counter.__enter__()
+        self.counting = True
+        self.counter.phase(self.phase)
+        return control
+
+    def _wrap_accelerator(self) -> None:
+        """The backward phase around ``accelerator.backward``; DeepSpeed's step inside it."""
         trainer_backward = self.accelerator.backward
 
         def backward(loss, **kw):
@@ -132,11 +156,6 @@ class Measure:
                 return engine_step(*a, **kw)
 
             wrapped.engine.step = step
-        self.counter.track(model, optimizer, quant_state_tensors(model), all_tensors(torch))
-        self.counter.__enter__()
-        self.counting = True
-        self.counter.phase(self.phase)
-        return control
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.device == "cuda":
@@ -167,6 +186,12 @@ class Measure:
         if self.counting:
             self.counting = False
             self.counter.__exit__(None, None, None)
+
+    def remove_hooks(self) -> None:
+        """Take the phase hooks off the model (a user's run goes on without them)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     # the result --------------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
+from .knob_paths import step_optimizer, tie_original_embeddings
 from .live import LiveTensorCounter
 from .models import (
     NotTraceable,
@@ -153,6 +154,9 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                            "it needs a real run (the measured tier)")
     if setup.zero_stage or setup.gpus > 1:
         raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; it needs a real run (the measured tier)")
+    if setup.objective != "sft":  # the DPO/GRPO step is traced by run/objective_trace.py
+        raise NotTraceable(f"--objective {setup.objective} is traced by `vramplan validate --knob "
+                           f"{setup.objective}` (vramplan/run/objective_trace.py), not by trace")
     if setup.precision in ("bf16-mixed", "fp16-mixed"):
         dtype = torch.float32
         autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setup.precision]
@@ -201,21 +205,23 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
         from .chunked_loss import patch_chunked_loss
 
         loss_patch = patch_chunked_loss(model)
+    if setup.liger:  # stand-ins keeping what Liger's Triton kernels keep (vramplan/run/liger.py)
+        from .liger import patch_liger
+
+        loss_patch = patch_liger(model)
     with real_code_paths(setup.pad_mask), loss_patch, fake, counter:
         model.to_empty(device="cpu")
         # Module._apply replaces each module's parameters one by one, which unties shared ones
         # (tied input/output embeddings); tie them again as from_pretrained would.
         hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(hf_model.config, "tie_word_embeddings", False):
-            out_emb, in_emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
-            if out_emb is not None and in_emb is not None:
-                out_emb.weight = in_emb.weight
+            tie_original_embeddings(hf_model)
         params = list(model.parameters())
         trainable = [p for p in params if p.requires_grad]
         for t in itertools.chain(params, model.buffers()):
             counter.add(t)
-        opt = torch_optimizer(setup, trainable)
         _label_backward_moments(model, counter, hf_cfg.num_hidden_layers)
+        opt = step_optimizer(setup, model, trainable, torch_optimizer)  # after the labels (in-backward steps)
 
         def classify(live: dict[int, int]) -> dict[str, int]:
             param_ids = {counter.sid_of(p) for p in params}
@@ -253,9 +259,13 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                                      t.untyped_storage().nbytes()))
             return t
 
-        input_ids = torch.randint(0, int(config.get("vocab_size", 32000)), (setup.batch, setup.seq))
+        rows = (1, setup.tokens) if setup.padding_free else (setup.batch, setup.seq)  # one flattened row
+        input_ids = torch.randint(0, int(config.get("vocab_size", 32000)), rows)
         counter.add(input_ids)
         batch = {"input_ids": input_ids, "labels": input_ids}
+        if setup.padding_free:  # DataCollatorWithFlattening: positions restart per sequence (flash varlen)
+            batch["position_ids"] = torch.arange(setup.seq).repeat(setup.batch).unsqueeze(0)
+            counter.add(batch["position_ids"])
         if setup.pad_mask:
             batch["attention_mask"] = padding_mask(setup.batch, setup.seq)
             counter.add(batch["attention_mask"])
@@ -283,6 +293,11 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
             counter.moment = None
             opt.zero_grad(set_to_none=True)
             counter.saved.clear()
+        if setup.eval_batch:  # the eval step after the last train step (vramplan/run/eval_trace.py)
+            from .eval_trace import eval_step
+
+            counter.peaks["eval"] = PhasePeak()
+            eval_step(model, setup, config, counter, autocast)
 
     return TraceNumbers(
         num_layers=hf_cfg.num_hidden_layers,
@@ -378,8 +393,9 @@ def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, not
     reserved and device totals add the same named overheads the analytic tier adds."""
     from ..estimator.corrections import device_overheads
 
-    phase_peaks = {ph: nums.phase(ph).bytes for ph in PHASES}
-    phase = max(PHASES, key=lambda ph: phase_peaks[ph])
+    phases = (*PHASES, "eval") if "eval" in nums.phase_peaks else PHASES
+    phase_peaks = {ph: nums.phase(ph).bytes for ph in phases}
+    phase = max(phases, key=lambda ph: phase_peaks[ph])
     cats = nums.phase(phase).categories
     peak = phase_peaks[phase]
     allocated, reserved, device_total, overheads = device_overheads(peak, setup.gpus, gpu)

@@ -158,9 +158,9 @@ class Search:
             return verdict[key]
 
         bests: list[Candidate] = []
-        for cls in sorted({rank.residency(s) for s in configs}):
+        for cls in sorted({rank.klass(s) for s in configs}):
             best: Candidate | None = None
-            group = [s for s in configs if rank.residency(s) == cls]
+            group = [s for s in configs if rank.klass(s) == cls]
             ranked = sorted(((ev.speed_bound(s), i, s) for i, s in enumerate(group)), key=lambda t: (-t[0], t[1]))
             for bound, _, s in ranked:
                 if best is not None and bound <= best.tokens_per_s:

@@ -112,6 +112,7 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
                 if low.misfit is not None and low.misfit.tight:
                     kind = "tight"
         out.append(_rejection(plain.setup, head, reason, misfit, bd.device_total_bytes, kind, usable))
+    out += _layer_split_rejections(result, chosen, usable)
     if chosen is None:
         return tuple(out)
     # the chosen family's faster settings: other savers at the chosen micro-batch, the next micro-batch
@@ -135,6 +136,34 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
         same.append(_rejection(s, f"{describe(s)}: ", misfit_text(misfit), misfit, bd.device_total_bytes,
                                "faster_setting", usable))
     return tuple(out) + tuple(same)
+
+
+def _layer_split_rejections(result: Result, chosen: Candidate | None, usable: int) -> list[Rejected]:
+    """Several GPUs and a plan that is not a layer split: why not ``device_map="auto"`` (one
+    process, the layers over the GPUs) for the chosen family (every family when nothing fits):
+    its smallest setting at the first micro-batch, and the fullest GPU's need."""
+    search, ev = result.search, result.search.ev
+    if search.target.gpus < 2 or (chosen is not None and chosen.setup.device_map != "none"):
+        return []
+    fams = [chosen.setup] if chosen is not None else result.families
+    out = []
+    for fam in fams:
+        key = family_key(fam)
+        splits = [ev.at_micro(s, search.shape.micro_batches[0]) for s in search.space.layer_splits(fam)]
+        splits = [s for s in splits if family_key(s) == key]
+        if not splits:
+            continue
+        smallest = min(splits, key=lambda s: ev.estimate(s).device_total_bytes)
+        bd = ev.estimate(smallest)
+        misfit = ev.misfit(smallest, bd)
+        if misfit is None:  # it fits: ranked with the others (one GPU computes at a time, so rarely the fastest)
+            continue
+        gpus = " / ".join(f"{r.device_total_bytes / 2**30:.1f}" for r in bd.per_rank)
+        head = f"layer split over {search.target.gpus} GPUs (device_map=auto, {method_name(fam)}): "
+        savers = savers_text(smallest.replace(device_map="none"))
+        why = f"{misfit_text(misfit)} on its fullest GPU even with {savers} (GPUs {gpus} GiB)"
+        out.append(_rejection(smallest, head, why, misfit, bd.device_total_bytes, "too_big", usable))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,7 +286,7 @@ def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, 
     if need:
         notes.append(Note(f"CPU offload needs {size(need)} of host RAM per node", "host_ram"))
     notes.append(host_ram_source_note(target))
-    if chosen.setup.attn == "flash":
+    if chosen.setup.attn == "flash":  # on a card before Ampere the estimate's own note says it cannot run
         notes.append(Note("attn flash needs the flash-attn package (FlashAttention-2)", "flash_attn"))
     if dataset_tokens:
         secs = dataset_tokens / chosen.tokens_per_s

@@ -42,6 +42,8 @@ def savers_text(setup: Setup) -> str:
     if setup.optimizer != "adamw-fused":
         parts.append({"adamw-8bit": "8-bit AdamW", "paged-adamw-8bit": "paged 8-bit AdamW"}.get(setup.optimizer,
                                                                                               setup.optimizer))
+    if setup.device_map != "none":
+        parts.append(f"the layers split over {setup.gpus} GPUs")
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
     if setup.fsdp != "none":
@@ -53,6 +55,8 @@ def savers_text(setup: Setup) -> str:
         parts.append(f"{kind.upper() if kind == 'nvme' else 'CPU'} offload of {' and '.join(offloaded)}")
     if setup.attn != "auto":
         parts.append(f"{setup.attn} attention")
+    if setup.liger:
+        parts.append("Liger kernels")
     return ", ".join(parts) or "no memory savers"
 
 

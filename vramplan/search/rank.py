@@ -13,7 +13,8 @@
 
 Tight plans (inside the margins) are never in the same choice as non-tight ones: the planner
 searches with the margins first and without them only when nothing fits (``planner.py``).
-**Alternatives**: the Pareto front over (memory, tokens/s, quality, residency), at most
+At equal speed a plain transformers stack is chosen before Liger's kernels. **Alternatives**: the
+Pareto front over (memory, tokens/s, quality, residency, no Liger), at most
 :data:`MAX_PER_METHOD` per method and :data:`MAX_ALTERNATIVES` in all.
 """
 
@@ -29,6 +30,10 @@ MAX_ALTERNATIVES = 8
 MAX_PER_METHOD = 3
 #: A plan of a lower tier this much faster than the chosen one is named in a note (never chosen).
 MUCH_FASTER = 0.25
+#: Liger's kernels are an extra dependency (liger-kernel, Triton, CUDA only): a plan takes them only
+#: when they buy at least this much speed over the best plan without them at the same residency and
+#: quality tier (a larger micro-batch, checkpointing off), never for a few per cent
+LIGER_MIN_GAIN = 0.10
 
 #: Quality tiers, best first: what each tier number means.
 TIERS = {3: "full fine-tuning", 2: "LoRA on a 16-bit base", 1: "LoRA on an 8-bit base", 0: "QLoRA (a 4-bit base)"}
@@ -68,15 +73,35 @@ def residency(setup: Setup) -> int:
     return 1 if setup.gpus == 1 and engine(setup) else 0
 
 
+def klass(setup: Setup) -> tuple[int, int]:
+    """The classes a family's candidates are searched in apart: residency, then Liger's kernels
+    (an extra dependency: liger-kernel, Triton, CUDA), so a faster Liger plan never hides the
+    plain one from the alternatives."""
+    return residency(setup), int(setup.liger)
+
+
 def order(c: Candidate) -> tuple:
-    """Sort key of the choice, best last: residency, tier, tokens/s, rank, less memory."""
-    return (-residency(c.setup), tier(c.setup), c.tokens_per_s, c.setup.lora_rank if c.setup.adapters else 0,
-            -c.device_total_bytes)
+    """Sort key of the choice, best last: residency, tier, tokens/s, without Liger's kernels at
+    equal speed (one dependency fewer), rank, less memory. Liger is a GPU-resident saver: reached
+    for before offload and before a lower tier."""
+    return (-residency(c.setup), tier(c.setup), c.tokens_per_s, -int(c.setup.liger),
+            c.setup.lora_rank if c.setup.adapters else 0, -c.device_total_bytes)
 
 
 def choose(bests: Sequence[Candidate]) -> Candidate | None:
-    """The candidate a plan picks among the fitting ones (None: none fits)."""
-    return max(bests, key=order) if bests else None
+    """The candidate a plan picks among the fitting ones (None: none fits): the best by
+    :func:`order`, unless it needs Liger's kernels for less than :data:`LIGER_MIN_GAIN` over the
+    best candidate without them of the same residency and tier."""
+    if not bests:
+        return None
+    best = max(bests, key=order)
+    if best.setup.liger:
+        plain = [c for c in bests if not c.setup.liger and residency(c.setup) == residency(best.setup)
+                 and tier(c.setup) == tier(best.setup)]
+        alt = max(plain, key=order, default=None)
+        if alt is not None and best.tokens_per_s < (1 + LIGER_MIN_GAIN) * alt.tokens_per_s:
+            return alt
+    return best
 
 
 def much_faster_lower_tier(bests: Sequence[Candidate], chosen: Candidate) -> Candidate | None:
@@ -97,7 +122,7 @@ def front(bests: Sequence[Candidate], chosen: Candidate) -> list[Candidate]:
 
     def key(c: Candidate) -> tuple:
         # larger is better in every coordinate
-        return (-c.device_total_bytes, c.tokens_per_s, quality(c.setup), -residency(c.setup))
+        return (-c.device_total_bytes, c.tokens_per_s, quality(c.setup), -residency(c.setup), -int(c.setup.liger))
 
     def dominated(a: Candidate) -> bool:
         ka = key(a)

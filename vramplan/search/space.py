@@ -5,11 +5,15 @@ Pure: a :class:`Space` is a value; nothing here estimates memory."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ..compat import known_failures, runs
+from ..estimator.eval_step import eval_unmodelled
+from ..estimator.layer_split import check_supported as layer_split_supported
+from ..estimator.liger import LIGER_FAMILIES
 from ..setup_checks import check
 from ..specs import ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
@@ -30,7 +34,16 @@ def rank_choices(lo: int, hi: int) -> tuple[int, ...]:
 FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quant", "double_quant",
            "quant_bits", "quant_group_size",
            "precision", "optimizer", "checkpointing", "attn", "zero_stage", "offload_optimizer",
-           "offload_params", "loss", "batch", "grad_accum", "fsdp")
+           "offload_params", "loss", "batch", "grad_accum", "fsdp", "liger",
+           # how the data is batched (a padding-free collator): the user's pipeline, fixed, never searched
+           "padding_free",
+           # quality choices of the adapters (estimator/knobs.py): fixed, never searched
+           "dora", "modules_to_save",
+           # the objective and its knobs (estimator/objectives.py): fixed, never searched
+           "objective", "max_prompt_length", "max_completion_length", "num_generations", "ref_model", "generation",
+           "vllm_memory_fraction",
+           # the run's eval step (estimator/eval_step.py): its own phase, judged for fit, never searched
+           "eval_batch")
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,8 @@ class Space:
     def families(self) -> list[Setup]:
         """One base Setup per (method, base quantization, rank); savers at their defaults."""
         f = self.fixed
-        lora_knobs = any(k in f for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"))
+        lora_knobs = any(k in f for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "dora",
+                                          "modules_to_save"))
         # a fixed LoRA knob means adapters unless the method is fixed too
         methods = self.choices("method", ("lora", "qlora") if lora_knobs else ("full", "lora", "qlora"))
         # the bases searched per method; a fixed --quant picks the methods it is valid for. GPTQ/AWQ
@@ -82,6 +96,8 @@ class Space:
                         check(self.model, s)
                     except SpecError:
                         continue
+                    if eval_unmodelled(s):  # --eval-batch: only where the eval step is modelled
+                        continue
                     out.append(s)
         # ascending rank within a method, so failures at a low rank answer the higher ranks
         return sorted(out, key=lambda s: (s.method, s.quant, s.lora_rank))
@@ -105,6 +121,8 @@ class Space:
             allowed = [(z, "none", "none", "none") for z in (0, 1, 2, 3)]
             allowed += [(2, o, "none", "none") for o in offl] + [(3, o, "none", "none") for o in offl]
             allowed += [(3, o, o, "none") for o in offl] + fsdp
+        if f.get("objective", "sft") != "sft":  # DPO/GRPO are modelled on one resident GPU (objectives.py)
+            allowed = [(0, "none", "none", "none")]
         out = []
         for z, o, p, m in allowed:
             if (f.get("zero_stage", z) != z or f.get("offload_optimizer", o) != o or f.get("offload_params", p) != p
@@ -122,6 +140,8 @@ class Space:
         cc = gpu.compute_capability
         if self.model.default_attn == "eager" and (cc is None or float(cc) >= 8.0):
             attns = ("auto", "flash")  # FlashAttention-2 keeps no s x s scores (needs Ampere+)
+        # Liger's kernels where they are modelled (estimator/liger.py): a saver, not a quality change
+        ligers = self.choices("liger", (False, True) if liger_applies(self.model, family) else (False,))
         out = []
         for z, o, p, m in self.placements():
             # DeepSpeed's optimizer offload runs its own CPU Adam; FSDP's CPU offload steps any torch
@@ -132,15 +152,40 @@ class Space:
                 if deepspeed_offload and opt not in ("adamw", "adamw-fused"):
                     continue
                 for ck in self.choices("checkpointing", (False, True)):
-                    for attn in self.choices("attn", attns):
+                    for attn, liger in itertools.product(self.choices("attn", attns), ligers):
                         try:  # a GPTQ/AWQ base refuses ZeRO placements
                             s = family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m,
-                                               optimizer=opt, checkpointing=ck, attn=attn)
+                                               optimizer=opt, checkpointing=ck, attn=attn, liger=liger)
                         except SpecError:
                             continue
                         if not runs(s, self.model):
                             continue  # known not to run with the pinned libraries (vramplan.compat)
+                        if eval_unmodelled(s):  # --eval-batch: only where the eval step is modelled
+                            continue
                         out.append(s)
+        return out + [s for s in self.layer_splits(family) if not eval_unmodelled(s)]
+
+    def layer_splits(self, family: Setup) -> list[Setup]:
+        """Several GPUs of one machine: the layer split (``device_map="auto"``, one process; naive
+        pipeline parallelism: memory of a model too large for one card, at one card's speed), with
+        the optimizer and checkpointing savers. Not with a fixed ZeRO/FSDP/offload placement."""
+        f = self.fixed
+        # a global batch is per_gpu x gpus sequences; a split has one data-parallel rank: not searched then
+        if (self.target.gpus < 2 or self.target.nodes > 1 or f.get("objective", "sft") != "sft"
+                or self.shape.per_gpu is not None
+                or any(k in f for k in ("zero_stage", "offload_optimizer", "offload_params", "fsdp"))):
+            return []
+        out = []
+        for opt in self.choices("optimizer", ("adamw-fused", "adamw-8bit")):
+            for ck in self.choices("checkpointing", (False, True)):
+                try:
+                    s = family.replace(device_map="auto", optimizer=opt, checkpointing=ck, zero_stage=0, fsdp="none",
+                                       offload_optimizer="none", offload_params="none")
+                    layer_split_supported(self.model, s)
+                except SpecError:
+                    continue
+                if runs(s, self.model):
+                    out.append(s)
         return out
 
 
@@ -152,6 +197,8 @@ def check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int, seq: int) ->
     probe = dict(fixed)
     if probe.get("quant", "none") != "none" and "method" not in probe:
         probe["method"] = "qlora" if probe["quant"] in ("nf4", "fp4") else "lora"
+    if (probe.get("dora") or probe.get("modules_to_save")) and "method" not in probe:
+        probe["method"] = "lora"  # adapter knobs: the search tries LoRA and QLoRA
     if probe.get("offload_params", "none") != "none" and probe.get("fsdp", "none") == "none":
         probe.setdefault("zero_stage", 3)
     if probe.get("offload_optimizer", "none") != "none" and probe.get("fsdp", "none") == "none":
@@ -189,9 +236,17 @@ def rank_key(s: Setup) -> tuple:
 
 def placement_key(s: Setup) -> tuple:
     """Saver configurations that share a placement are ordered by memory (see :func:`saving`)."""
-    return (s.zero_stage, s.offload_optimizer, s.offload_params, s.fsdp, s.precision)
+    return (s.zero_stage, s.offload_optimizer, s.offload_params, s.fsdp, s.device_map, s.precision)
 
 
-def saving(s: Setup) -> tuple[int, int, int]:
+def saving(s: Setup) -> tuple[int, int, int, int]:
     """How many memory savers a configuration turns on, in an order within one placement."""
-    return (int(s.checkpointing), int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")), int(s.attn != "auto"))
+    return (int(s.checkpointing), int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")), int(s.attn != "auto"),
+            int(s.liger))
+
+
+def liger_applies(model: ModelSpec, family: Setup) -> bool:
+    """Liger's kernels are a search choice where they are modelled: the families of
+    estimator/liger.py, a 16/32-bit base, transformers' loss (Liger's fused loss replaces it)."""
+    return (model.family in LIGER_FAMILIES and family.quant == "none" and family.loss == "hf"
+            and family.objective == "sft")  # DPO/GRPO: TRL's fused head (estimator/objectives.py)

@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, Trainer,
-                          TrainerCallback, TrainingArguments, default_data_collator)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig,
+                          DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments,
+                          default_data_collator)
 
 HERE = Path(__file__).resolve().parent
 
@@ -92,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (TrainingArguments.use_cpu)")
     p.add_argument("--memory-report", default=None, metavar="PATH",
                    help="write per-step peak memory, step time and tokens/s as JSON")
+    p.add_argument("--eval-batch", type=int, default=PLAN.get("eval_batch", 0), metavar="N",
+                   help="per_device_eval_batch_size of an eval every --eval-steps steps; 0: no eval")
+    p.add_argument("--eval-steps", type=int, default=5, metavar="N", help="optimizer steps between evals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
@@ -161,10 +165,14 @@ def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torc
         kwargs["quantization_config"] = quant
         if not PLAN["sharded"]:  # ZeRO-3 and FSDP place the shards themselves
             kwargs["device_map"] = {"": _device(args)}
+    if PLAN.get("device_map"):  # the layers split over this one process's GPUs (accelerate's placement);
+        # with fewer than two GPUs (or --cpu) there is nothing to split over: one device
+        several = not args.cpu and torch.cuda.device_count() > 1
+        kwargs["device_map"] = PLAN["device_map"] if several else {"": _device(args)}
     source = checkpoint or args.model
     if source:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    elif quant is None:
+    elif quant is None and "device_map" not in kwargs:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), **kwargs)
     else:
         with tempfile.TemporaryDirectory() as tmp:
@@ -183,8 +191,24 @@ def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torc
         targets = PLAN["lora_targets"]
         model = get_peft_model(model, LoraConfig(
             r=PLAN["lora_r"], lora_alpha=PLAN["lora_alpha"], lora_dropout=PLAN["lora_dropout"],
-            target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM"))
+            target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM",
+            modules_to_save=PLAN.get("modules_to_save"), use_dora=PLAN.get("dora", False)))
+    if PLAN["loss"] == "trl":
+        _fused_lm_head(model)
     return model
+
+
+def _fused_lm_head(model: torch.nn.Module) -> None:
+    """The plan's loss "trl": TRL's fused, chunked LM head (pip install trl; read off TRL 1.16), as
+    SFTTrainer installs it (trl/trainer/utils.py add_fused_lm_head, on the base under peft) and calls
+    it in every forward (SFTTrainer.compute_loss: fused_lm_head=True): no (tokens x vocab) logits."""
+    import functools
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
+    base.forward = functools.partial(base.forward, fused_lm_head=True)
 
 
 class TokenRows(torch.utils.data.Dataset):
@@ -218,7 +242,12 @@ def _read_texts_or_ids(args: argparse.Namespace) -> list:
         except ImportError:
             raise SystemExit(f"error: --dataset {args.dataset}: not a local .jsonl/.json/.txt file, and loading "
                              "a Hugging Face dataset needs the datasets package: pip install datasets") from None
-        rows = list(datasets.load_dataset(args.dataset, split="train"))
+        try:
+            rows = list(datasets.load_dataset(args.dataset, split="train"))
+        except (ConnectionError, FileNotFoundError, ValueError) as exc:  # offline, no such dataset, no train split
+            reason = " ".join(str(exc).split())[:300]
+            raise SystemExit(f"error: --dataset {args.dataset}: not a local .jsonl/.json/.txt file, and the Hugging "
+                             f"Face dataset could not be loaded ({type(exc).__name__}: {reason})") from None
     return [row["input_ids"] if "input_ids" in row else row[args.text_field] for row in rows]
 
 
@@ -237,6 +266,21 @@ def build_dataset(args: argparse.Namespace, vocab_size: int, world_size: int) ->
         rows = [tokenizer(text, truncation=True, max_length=args.seq)["input_ids"] for text in rows]
         return TokenRows(rows, args.seq, tokenizer.pad_token_id or 0)
     return TokenRows(rows, args.seq)
+
+
+def split_eval(args: argparse.Namespace, dataset: TokenRows, vocab_size: int) -> tuple[TokenRows, TokenRows | None]:
+    """The eval split (``--eval-batch`` > 0): two eval batches of random tokens, or the last
+    two eval batches' rows of ``--dataset`` held out of training."""
+    if args.eval_batch <= 0:
+        return dataset, None
+    n = 2 * args.eval_batch
+    if args.dataset == "synthetic":
+        rng = random.Random(args.seed + 1)
+        return dataset, TokenRows([[rng.randrange(vocab_size) for _ in range(args.seq)] for _ in range(n)], args.seq)
+    if len(dataset.rows) <= n:
+        raise SystemExit(f"error: --eval-batch {args.eval_batch}: the dataset has too few rows for an eval split")
+    return (TokenRows(dataset.rows[:-n], dataset.seq, dataset.pad_id),
+            TokenRows(dataset.rows[-n:], dataset.seq, dataset.pad_id))
 
 
 def _qualname(obj) -> str:
@@ -321,13 +365,22 @@ def build_trainer(args: argparse.Namespace, callbacks=()) -> Trainer:
             _init_deepspeed()
         training_args = _training_arguments(args)
         model = build_model(args, checkpoint)
-    dataset = build_dataset(args, model.config.vocab_size, training_args.world_size)
     callbacks = list(callbacks)
     if args.memory_report:
         tokens = args.batch * args.seq * args.grad_accum * training_args.world_size
         callbacks.append(MemoryReport(args.memory_report, tokens))
-    return Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator,
-                   callbacks=callbacks)
+    if PLAN.get("objective", "sft") != "sft":  # DPO/GRPO: TRL's trainer, from trl_objective.py beside this file
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("trl_objective", HERE / "trl_objective.py")
+        objective = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(objective)
+        return objective.objective_trainer(PLAN, args, model, training_args, callbacks, LOAD_DTYPE)
+    dataset = build_dataset(args, model.config.vocab_size, training_args.world_size)
+    dataset, eval_dataset = split_eval(args, dataset, model.config.vocab_size)
+    # padding-free: each micro-batch flattened into one row with per-sequence position_ids (flash varlen)
+    collator = DataCollatorWithFlattening() if PLAN.get("padding_free") else default_data_collator
+    return Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset,
+                   data_collator=collator, callbacks=callbacks)
 
 
 def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
@@ -345,7 +398,10 @@ def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
         bf16=PLAN["precision"] == "bf16-mixed" or (PLAN["precision"] == "bf16" and bool(args.deepspeed)),
         fp16=PLAN["precision"] == "fp16-mixed" or (PLAN["precision"] == "fp16" and bool(args.deepspeed)),
         **{CHECKPOINTING: PLAN["checkpointing"], f"{CHECKPOINTING}_kwargs": {"use_reentrant": False}},
-        use_liger_kernel=PLAN["loss"] == "chunked",  # a fused, chunked loss (pip install liger-kernel)
+        # Liger's kernels (pip install liger-kernel); the chunked loss runs as Liger's fused, chunked one
+        use_liger_kernel=PLAN.get("liger", False) or PLAN["loss"] == "chunked",
+        # loss "trl": Liger's layer kernels only, its fused cross-entropy would replace TRL's head (as SFTTrainer does)
+        liger_kernel_config={"fused_linear_cross_entropy": False} if PLAN["loss"] == "trl" else None,
         deepspeed=args.deepspeed,
         use_cpu=args.cpu,
         seed=args.seed,
@@ -355,6 +411,11 @@ def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
         report_to="none",
         remove_unused_columns=False,
         dataloader_drop_last=True,
+        # the eval step vramplan estimated: loss only (no compute_metrics: the logits are not gathered)
+        eval_strategy="steps" if args.eval_batch > 0 else "no",
+        eval_steps=args.eval_steps,
+        per_device_eval_batch_size=max(args.eval_batch, 1),
+        prediction_loss_only=True,
     )
 
 

@@ -1,0 +1,158 @@
+"""The DPO and GRPO training steps (and SFTTrainer's, ``--loss trl``) on fake tensors, for shapes
+too large for a CPU run: the computation of TRL 1.16's ``DPOTrainer._compute_loss`` /
+``GRPOTrainer._compute_loss`` (``SFTTrainer.compute_loss``) with TRL's own fused head
+(``trl.trainer.utils.add_fused_lm_head``), on the model of :mod:`vramplan.run.tracer`
+(meta device, peft, ``to_empty`` inside ``FakeTensorMode``), counted by the live-tensor counter.
+
+- DPO: 2 x batch rows (chosen, rejected) of ``row_len`` tokens, labels -100 on the prompt; the
+  policy forward; the reference forward under ``torch.no_grad`` (a frozen copy, or the policy with
+  peft's adapters disabled; none when precomputed); the sigmoid loss; backward; the optimizer.
+- GRPO: batch x num_generations rows of prompt + completion tokens, the completion scored
+  (``logits_to_keep``); the clipped-ratio loss with ``old_per_token_logps = per_token_logps.detach()``
+  (num_iterations 1); beta 0: no reference. Generation (HF ``generate``) cannot run on fake tensors
+  (sampling and EOS checks read values): it is checked by the TRL CPU run (run/objectives.py).
+
+The head runs TRL's torch fold (no Triton on the CPU): compare with ``Stack(trl_triton=False)``.
+"""
+
+from __future__ import annotations
+
+from ..specs import Setup
+from .knob_paths import tie_original_embeddings
+from .live import LiveTensorCounter
+from .models import adapt_for_training, attn_implementation, hf_config, require_torch, torch_optimizer
+from .objectives import ObjectiveTruth
+from .real_paths import real_code_paths
+
+PHASE_ORDER = ("reference", "forward", "backward", "optimizer")
+
+
+def _fake_model(config: dict, setup: Setup, num_layers: int | None, dtype, trainable: bool = True):
+    import torch
+    import transformers
+
+    hf_cfg = hf_config(config, num_layers)
+    hf_cfg.use_cache = False
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_cfg, dtype=dtype, attn_implementation=attn_implementation(config, setup))
+    if trainable:
+        return adapt_for_training(model, setup)
+    return model.requires_grad_(False).eval()
+
+
+def _materialize(model) -> None:
+    model.to_empty(device="cpu")
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(hf.config, "tie_word_embeddings", False):
+        tie_original_embeddings(hf)
+
+
+def trace_objective(config: dict, setup: Setup, num_layers: int | None = None, steps: int = 2) -> ObjectiveTruth:
+    """Peaks per phase of ``steps`` traced DPO/GRPO training steps of ``setup``."""
+    require_torch()
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trl.trainer.utils import add_fused_lm_head, use_adapter
+
+    from ..estimator.objectives import lengths, reference
+    from ..estimator.stack import Stack
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[setup.precision]
+    lens = lengths(setup, Stack(trl_triton=False))
+    ref = reference(setup) if setup.objective != "sft" else "none"  # sft: --loss trl, SFTTrainer's head
+    model = _fake_model(config, setup, num_layers, dtype)
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    outputs = {"dpo": ("log_probs", "entropy", "mean_logits", "is_top1"), "grpo": ("log_probs", "entropy"),
+               "sft": ("log_probs", "entropy", "is_top1")}[setup.objective]
+    add_fused_lm_head(hf, outputs=outputs)
+    ref_model = _fake_model(config, setup, num_layers, dtype, trainable=False) if ref == "copy" else None
+    if ref_model is not None:
+        add_fused_lm_head(ref_model)
+    counter = LiveTensorCounter(device="cpu")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with real_code_paths(False), fake, counter:
+        _materialize(model)
+        if ref_model is not None:
+            _materialize(ref_model)
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        counter.track(model, ref_model)
+        opt = torch_optimizer(setup, trainable)  # the canonical step's (bitsandbytes' cannot run on fake tensors)
+        vocab = int(config["vocab_size"])
+        ids = torch.randint(0, vocab, (lens.rows, lens.row_len))
+        mask = torch.ones_like(ids)
+        labels = ids.clone()
+        labels[:, :lens.prompt] = -100
+        counter.track(ids, mask, labels)
+        for _step in range(steps):
+            for _micro in range(setup.grad_accum):
+                if setup.objective == "sft":
+                    loss = _sft_loss(model, ids, mask, labels, counter)
+                elif setup.objective == "grpo":
+                    loss = _grpo_loss(model, ids, mask, labels, lens.completion, counter)
+                else:
+                    loss = _dpo_loss(model, ref_model, ref, ids, mask, labels, counter, use_adapter, F)
+                if setup.grad_accum > 1:
+                    loss = loss / setup.grad_accum
+                counter.phase("backward")
+                loss.backward()
+                del loss
+            counter.phase("optimizer")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            counter.phase(None)
+    peaks = {ph: counter.phase_peaks[ph] for ph in PHASE_ORDER if ph in counter.phase_peaks}
+    phase = max(peaks, key=lambda p: peaks[p])
+    return ObjectiveTruth(peaks[phase], peaks, phase, sum(p.numel() for p in trainable))
+
+
+def _dpo_loss(model, ref_model, ref, ids, mask, labels, counter, use_adapter, F):
+    import torch
+
+    counter.phase("forward")
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+    chosen, rejected = out.log_probs.sum(dim=1).chunk(2, dim=0)
+    del out
+    if ref == "precomputed":
+        ref_chosen, ref_rejected = torch.zeros_like(chosen), torch.zeros_like(rejected)
+    else:
+        counter.phase("reference")
+        with torch.no_grad():
+            if ref_model is None:
+                with use_adapter(model, adapter_name=None):
+                    r = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+            else:
+                r = ref_model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+            ref_chosen, ref_rejected = r.log_probs.sum(dim=1).chunk(2, dim=0)
+            del r
+    delta = (chosen - ref_chosen) - (rejected - ref_rejected)
+    return -F.logsigmoid(0.1 * delta).mean()
+
+
+def _sft_loss(model, ids, mask, labels, counter):
+    """TRL 1.16 ``SFTTrainer.compute_loss`` (loss_type nll): the fused head's summed negative
+    log-probs over the label count."""
+    counter.phase("forward")
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+    loss = (-out.log_probs).sum() / out.label_mask.sum().clamp(min=1)
+    del out
+    return loss
+
+
+def _grpo_loss(model, ids, mask, labels, completion: int, counter):
+    import torch
+
+    counter.phase("forward")
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+    logps = out.log_probs[:, -completion:]
+    del out
+    old = logps.detach()
+    advantages = torch.zeros(logps.size(0), 1, dtype=logps.dtype)
+    ratio = torch.exp(logps - old)
+    per_token = -torch.min(ratio * advantages, torch.clamp(ratio, 0.8, 1.2) * advantages)
+    return per_token.mean()
+
+
+__all__ = ["trace_objective"]
