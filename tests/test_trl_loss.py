@@ -149,3 +149,18 @@ def test_emitted_train_script_runs_trls_fused_head(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr[-3000:]
     assert got.stdout.split()[-3:] == ["FusedCausalLMOutput", "7", "True"]  # the 7 next-token positions
+
+
+def test_measure_compares_a_cpu_run_with_the_cpu_code_path():
+    """`vramplan measure --device cpu` of a loss-trl plan compares with the estimate of the path the
+    run takes there (TRL's torch fold of fp32 tiles), a CUDA run with the Triton path's."""
+    from vramplan.measure import _estimate_json
+    from vramplan.specs import Plan
+
+    model = load_model("meta-llama/Llama-3.2-1B")
+    setup = Setup(method="lora", loss="trl", seq=1024)
+    plan = Plan(model=model.name, setup=setup, breakdown=estimate(model, setup))
+    cpu, cuda = _estimate_json(plan, None, "cpu"), _estimate_json(plan, None, "cuda")
+    assert cpu["tensor_peak_bytes"] == estimate(model, setup, stack=Stack(trl_triton=False)).tensor_peak_bytes
+    assert cuda["tensor_peak_bytes"] == estimate(model, setup).tensor_peak_bytes
+    assert cpu["tensor_peak_bytes"] != cuda["tensor_peak_bytes"]

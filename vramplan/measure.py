@@ -204,13 +204,17 @@ class MeasureOptions:
             raise SpecError("--cpu-memory-cap applies to --device cpu; on CUDA use --emulate-gpu")
 
 
-def _estimate_json(plan: Plan, gpu: GpuSpec | None) -> dict:
-    """The analytic estimate for the plan's setup on ``gpu`` with the published corrections."""
+def _estimate_json(plan: Plan, gpu: GpuSpec | None, device: str = "cuda") -> dict:
+    """The analytic estimate for the plan's setup on ``gpu`` with the published corrections, for
+    the code path the run takes on ``device`` (TRL's fused head folds fp32 tiles in torch off CUDA:
+    ``Stack.trl_triton``)."""
     from .estimator import estimate
     from .estimator.corrections import DEFAULT_CORRECTIONS
+    from .estimator.stack import Stack
     from .profiles import load_model
 
-    return estimate(load_model(plan.model), plan.setup, gpu, DEFAULT_CORRECTIONS).to_json()
+    return estimate(load_model(plan.model), plan.setup, gpu, DEFAULT_CORRECTIONS,
+                    stack=Stack(trl_triton=device == "cuda")).to_json()
 
 
 def check_measurable(setup) -> None:
@@ -256,7 +260,7 @@ def to_measurement(plan: Plan, options: MeasureOptions, result: dict, model_ref:
     emulate = options.emulate_gpu.name if options.emulate_gpu else None
     return Measurement(
         model=model_ref, setup=plan.setup, device=options.device, steps=options.steps,
-        estimate=_estimate_json(plan, gpu), measured=measured, provenance=provenance(measured),
+        estimate=_estimate_json(plan, gpu, options.device), measured=measured, provenance=provenance(measured),
         emulate_gpu=emulate, scale=scale, plan_estimate=plan.recorded_estimate,
         key=measurement_key(model_ref, plan.setup, options.device, emulate, scale, hardware))
 
