@@ -306,10 +306,10 @@ def _check_objective(s: Setup) -> None:
     check_positive("num_generations", s.num_generations)
     if not 0.0 < s.vllm_memory_fraction < 1.0:
         raise SpecError(f"vllm_memory_fraction must be in (0, 1); got {s.vllm_memory_fraction!r}")
-    grpo_only = {"num_generations": 8, "generation": "hf", "vllm_memory_fraction": 0.3}
+    default = {f.name: f.default for f in dataclasses.fields(Setup)}
     if s.objective != "grpo":
-        for name, default in grpo_only.items():
-            if getattr(s, name) != default:
+        for name in ("num_generations", "generation", "vllm_memory_fraction"):
+            if getattr(s, name) != default[name]:
                 raise SpecError(f"{name} applies to --objective grpo (got --objective {s.objective})")
     elif s.num_generations < 2:
         raise SpecError("num_generations must be at least 2 for GRPO (its advantages compare a prompt's completions)")
@@ -319,7 +319,7 @@ def _check_objective(s: Setup) -> None:
                 raise SpecError(f"{name} applies to --objective dpo/orpo/kto/grpo; SFT reads --seq")
         if s.ref_model != "auto":
             raise SpecError("ref_model applies to --objective dpo/kto/grpo")
-    if s.generation != "vllm-colocate" and s.vllm_memory_fraction != 0.3:
+    if s.generation != "vllm-colocate" and s.vllm_memory_fraction != default["vllm_memory_fraction"]:
         raise SpecError("vllm_memory_fraction applies to --generation vllm-colocate")
     if s.objective == "dpo" and s.ref_model == "none":
         raise SpecError("DPO needs a reference model: ref_model auto, copy, adapter or precomputed")

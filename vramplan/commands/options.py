@@ -150,7 +150,7 @@ class Count(click.ParamType):
             number = int(text)
         if number > MAX_COUNTS[self.key]:
             self.fail(f"at most {MAX_COUNTS[self.key]:,}; got {count_shown(number)}", param, ctx)
-        if number < self.minimum == 0:
+        if self.minimum == 0 and number < 0:  # a positive count's 0 or less is Setup's to refuse (its message)
             self.fail(f"must be 0 or more; got {number}", param, ctx)
         return number
 

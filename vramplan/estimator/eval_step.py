@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from ..errors import SpecError
 from ..specs import PHASES, Component, ModelSpec, Setup
+from ..units import gib
 from .lora import adapted_linears
 from .precision import adapter_dtype_bytes, autocast_bytes, compute_bytes
 
@@ -170,7 +171,7 @@ def eval_fit_note(model: ModelSpec, setup: Setup, gpu, phase_peaks: dict[str, in
     for n in range(setup.eval_batch - 1, 0, -1):
         peak = resting + cast + eval_forward_bytes(model, replace(setup, eval_batch=n))
         if device_total_of(max(train, peak)) <= usable:
-            return [f"eval batch {setup.eval_batch} needs {device_total_of(phase_peaks[EVAL]) / 2**30:.1f} GiB at "
-                    f"its eval step (the train step {device_total_of(train) / 2**30:.1f} GiB); --eval-batch {n} fits "
+            return [f"eval batch {setup.eval_batch} needs {gib(device_total_of(phase_peaks[EVAL]), 1)} GiB at "
+                    f"its eval step (the train step {gib(device_total_of(train), 1)} GiB); --eval-batch {n} fits "
                     "(per_device_eval_batch_size)"]
     return []

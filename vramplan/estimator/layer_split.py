@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from ..specs import GpuSpec, ModelSpec, Setup, SpecError
 from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
 
-#: bytes per element transformers counts for a quantized Linear weight when placing it
-#: (quantizers/quantizer_bnb_4bit.py and quantizer_bnb_8bit.py ``quantized_element_size``)
-QUANTIZED_ELEMENT_BYTES = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0}
+#: the bitsandbytes bases whose Linear weights transformers sizes by their packed element when placing
+#: them (quantizers/quantizer_bnb_4bit.py and quantizer_bnb_8bit.py ``quantized_element_size``: 0.5 and
+#: 1 byte, units.DTYPE_BYTES, no quantization state)
+BNB_QUANTS = ("nf4", "fp4", "int8")
 #: ``get_balanced_memory``'s margin over the per-GPU share, x the largest layer or leaf
 BALANCED_BUFFER = 1.25
 #: ``HfQuantizer.adjust_max_memory`` of bitsandbytes 4-bit and 8-bit (quantizer_bnb_4bit.py,
@@ -135,7 +136,7 @@ def model_tree(model: ModelSpec, setup: Setup) -> Node:
     """The CausalLM as transformers' placement walks it, each module at its load-time size."""
     check_supported(model, setup)
     w, L = load_bytes(setup), max(model.num_layers, 1)
-    q = QUANTIZED_ELEMENT_BYTES.get(setup.quant, w)
+    q = DTYPE_BYTES[setup.quant] if setup.quant in BNB_QUANTS else w
     other = dict(model.other_params)
     final_norm = _norm_params(model)
     per_layer_other = (other.get("norms", 0) - final_norm + sum(n for k, n in other.items()

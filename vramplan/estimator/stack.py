@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
-from ..units import bnb_4bit_tensor_bytes
+from ..units import bnb_4bit_tensor_bytes, gib
 
 #: what the formulas are read off (the default Stack), stated in every Breakdown's notes
 MODELLED_VERSIONS = {"transformers": "5", "torch": "2.13", "peft": "0.21", "accelerate": "1.15",
@@ -118,12 +118,12 @@ def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
         notes.append(f"models {stack.describe()}" + (f" (applied: {', '.join(applied)})" if applied else ""))
     saving = moe_experts_4x_saving_bytes(model, setup)
     if saving:
-        gib = saving / 2**30
+        less = gib(saving, 1)
         if stack.moe_experts_linear:
             notes.append(f"transformers {stack.transformers} quantizes the per-expert nn.Linear layers: the base takes "
-                         f"{gib:.1f} GiB less (before sharding) than these weights, which are transformers 5's fp32 "
+                         f"{less} GiB less (before sharding) than these weights, which are transformers 5's fp32 "
                          "fused experts; routing temporaries are transformers 5's too")
         else:
             notes.append(f"under transformers 4.x (per-expert nn.Linear layers, quantized by bitsandbytes) the base "
-                         f"would take {gib:.1f} GiB less (before sharding); this estimate models transformers 5")
+                         f"would take {less} GiB less (before sharding); this estimate models transformers 5")
     return notes

@@ -23,8 +23,6 @@ on fake tensors (as for the tracer): its splits are checked by placement only.
 
 from __future__ import annotations
 
-import weakref
-
 from ..specs import PHASES, Setup
 from .live import LiveTensorCounter
 from .models import NotTraceable, adapt_for_training, attn_implementation, hf_config, require_torch, torch_optimizer
@@ -54,33 +52,12 @@ class RankCounter(LiveTensorCounter):
             self.rank_of[sid] = rank
         return sid
 
-    def _track(self, tensor) -> int | None:
-        if tensor.is_meta:
-            return None
-        try:
-            st = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return None
-        key = id(st)
-        if key in self._by_obj:
-            return self._by_obj[key]
-        sid = next(self._ids)
-        n = st.nbytes()
-        self._by_obj[key] = sid
-        self.live[sid] = n
+    def _counted(self, sid: int, nbytes: int) -> None:
         self.rank_of[sid] = self.rank
-        self.by_rank[self.rank] += n
-        self.current_bytes += n
+        self.by_rank[self.rank] += nbytes
 
-        def _free(_ref, sid=sid, key=key):
-            n = self.live.pop(sid, 0)
-            self.current_bytes -= n
-            self.by_rank[self.rank_of.pop(sid)] -= n
-            self._by_obj.pop(key, None)
-            self._refs.pop(sid, None)
-
-        self._refs[sid] = weakref.ref(st, _free)
-        return sid
+    def _freed(self, sid: int, nbytes: int) -> None:
+        self.by_rank[self.rank_of.pop(sid)] -= nbytes
 
     def _observe(self) -> None:
         if self._phase is None:

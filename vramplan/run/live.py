@@ -95,14 +95,23 @@ class LiveTensorCounter:
         self._by_obj[key] = sid
         self.live[sid] = n
         self.current_bytes += n
+        self._counted(sid, n)
 
         def _free(_ref, sid=sid, key=key):
-            self.current_bytes -= self.live.pop(sid, 0)
+            n = self.live.pop(sid, 0)
+            self.current_bytes -= n
             self._by_obj.pop(key, None)
             self._refs.pop(sid, None)
+            self._freed(sid, n)
 
         self._refs[sid] = weakref.ref(st, _free)
         return sid
+
+    def _counted(self, sid: int, nbytes: int) -> None:
+        """A storage of ``nbytes`` starts being counted as ``sid`` (subclasses attribute it)."""
+
+    def _freed(self, sid: int, nbytes: int) -> None:
+        """The storage counted as ``sid`` died (subclasses drop their attribution)."""
 
     def sid_of(self, tensor) -> int | None:
         """The id under which ``tensor``'s storage is counted, or None if it is not."""

@@ -7,7 +7,7 @@ All the planner's prose is rendered here from typed values (:class:`~.verdicts.M
 from __future__ import annotations
 
 from ..specs import Alternative, GpuSpec, Note, Rejected
-from ..units import GiB
+from ..units import GiB, gib
 from .core import Result
 from .geometry import DEFAULT_HOST_RAM_PER_GPU, Target
 from .labels import describe, duration, method_name, quality_label, savers_text, size
@@ -158,7 +158,7 @@ def _layer_split_rejections(result: Result, chosen: Candidate | None, usable: in
         misfit = ev.misfit(smallest, bd)
         if misfit is None:  # it fits: ranked with the others (one GPU computes at a time, so rarely the fastest)
             continue
-        gpus = " / ".join(f"{r.device_total_bytes / 2**30:.1f}" for r in bd.per_rank)
+        gpus = " / ".join(gib(r.device_total_bytes, 1) for r in bd.per_rank)
         head = f"layer split over {search.target.gpus} GPUs (device_map=auto, {method_name(fam)}): "
         savers = savers_text(smallest.replace(device_map="none"))
         why = f"{misfit_text(misfit)} on its fullest GPU even with {savers} (GPUs {gpus} GiB)"
