@@ -1,7 +1,7 @@
 """Estimate vs published real-GPU peaks (calibration/published/records.jsonl). Prints; asserts nothing.
 
     python benchmarks/published_accuracy.py            # per-row table, per-group summary, per-token slopes,
-                                                       # excluded rows with reasons
+                                                       # step intercepts, excluded rows with reasons
     python benchmarks/published_accuracy.py --json     # the same, machine-readable
     python benchmarks/published_accuracy.py --records PATH
     python benchmarks/published_accuracy.py --no-calibration   # the raw model (published device terms)
@@ -30,6 +30,7 @@ from vramplan.published import (
     excluded,
     exclusion_counts,
     load_records,
+    step_intercepts,
     summarize,
     token_slopes,
 )
@@ -49,12 +50,14 @@ def main() -> None:
     rows = sorted(compare(records, estimator=estimator), key=lambda r: (r.quantity, r.error))
     summary = summarize(rows)
     slopes = token_slopes(records, rows)
+    intercepts = step_intercepts(records, slopes)
     out = excluded(records)
     if args.json:
         print(json.dumps({"rows": [dict(r.__dict__, error=r.error) for r in rows],
                           "summary": [s.__dict__ for s in summary],
                           "token_slopes": [dict(t.__dict__, excess_per_token=t.excess_per_token, error=t.error)
                                            for t in slopes],
+                          "step_intercepts": [dict(i.__dict__, excess_bytes=i.excess_bytes) for i in intercepts],
                           "excluded": [e.__dict__ for e in out]}, indent=2))
         return
     print(f"{'id':58s} {'family':8s} {'method':6s} {'quantity':9s} {'meas GiB':>9s} {'est GiB':>8s} {'error':>8s} "
@@ -74,6 +77,13 @@ def main() -> None:
         err = "-" if t.error is None else f"{t.error:+.1%}"
         print(f"  {t.ids[0][:52]:52s} -> {t.ids[1].rsplit('-', 1)[-1]:4s} {t.quantity:12s} {t.gpus} {t.fsdp:10s} "
               f"meas {t.measured_per_token:9.0f}  est {t.estimated_per_token:9.0f}  {err:>7s}")
+    print()
+    print("step intercepts (allocated: peak - allocation after training - slope x tokens, MiB; FSDP1: vs the root "
+          "and one layer unit unsharded)")
+    for i in intercepts:
+        print(f"  {i.ids[0][:52]:52s} {i.gpus} {i.fsdp:10s} meas {i.measured_bytes / 2**20:9.1f}  root+1 layer "
+              f"{i.one_layer_bytes / 2**20:9.1f}  excess {i.excess_bytes / 2**20:+7.1f}  (a layer unit "
+              f"{i.layer_bytes / 2**20:.0f})")
     print()
     print(f"{len(records)} records: {len({r.id for r in rows})} comparable ({len(rows)} rows), {len(out)} excluded")
     for reason, n in exclusion_counts(records):

@@ -101,6 +101,7 @@ def test_estimate_json_setup_options_reach_the_setup():
 
 #: The Setup fields added after the first ones, all at their defaults (off) in the run above.
 NEW_KNOBS_OFF = {
+    "checkpoint_every": 1,
     "modules_to_save": "", "dora": False, "activation_offload": False, "liger": False, "optimizer_in_backward": False,
     "padding_free": False, "eval_batch": 0, "device_map": "none", "tp": 1, "cp": 1, "fsdp_version": 1,
     "objective": "sft", "max_prompt_length": 0, "max_completion_length": 0, "num_generations": 8, "ref_model": "auto",

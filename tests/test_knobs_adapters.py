@@ -78,13 +78,19 @@ def test_what_is_not_modelled_is_refused(setup, words):
 
 @pytest.mark.parametrize("knobs", [
     {"method": "lora", "dora": True, "gpus": 2},
-    {"method": "lora", "modules_to_save": "lm_head", "zero_stage": 2, "gpus": 2},
     {"optimizer_in_backward": True, "fsdp": "full_shard", "gpus": 2},
     {"method": "lora", "dora": True, "zero_stage": 2},  # ZeRO on one GPU too
 ])
 def test_sharded_steps_with_the_knobs_are_refused(knobs):
     with pytest.raises(SpecError, match="one GPU without ZeRO/FSDP/DDP"):
         Setup(**knobs)
+
+
+def test_modules_to_save_on_ranks_is_modelled_where_verified():  # tests/test_knobs_distributed.py
+    Setup(method="lora", modules_to_save="lm_head", zero_stage=2, gpus=2)
+    Setup(method="lora", modules_to_save="lm_head", fsdp="full_shard", gpus=2)
+    with pytest.raises(SpecError, match="FSDP1 full_shard"):
+        Setup(method="lora", modules_to_save="lm_head", fsdp="shard_grad_op", gpus=2)
 
 
 def test_dora_on_fused_experts_is_refused():
@@ -146,11 +152,14 @@ def test_emitted_lora_config_carries_modules_to_save_and_dora():
 
 
 def test_optimizer_in_backward_is_refused_for_the_trainer_in_one_line():
+    """train.py runs it with torch's optimizers (tests/test_optimizer_in_backward_hf.py); others refused."""
     from vramplan.emit import render
 
-    with pytest.raises(SpecError, match="torchtune") as err:
-        render(_plan(Setup(seq=512, optimizer_in_backward=True)), ("trainer",))
+    with pytest.raises(SpecError, match="torch's optimizers only") as err:
+        render(_plan(Setup(seq=512, optimizer="adamw-8bit", optimizer_in_backward=True)), ("trainer",))
     assert "\n" not in str(err.value)
+    assert "'optimizer_in_backward': True" in render(_plan(Setup(seq=512, optimizer_in_backward=True)),
+                                                     ("trainer",))["train.py"]
     # the path that runs it: torchtune's recipe (emit/torchtune.py)
     tune = render(_plan(Setup(seq=512, optimizer_in_backward=True)), ("torchtune",))
     assert "optimizer_in_bwd: true" in tune["torchtune.yaml"]
@@ -258,7 +267,8 @@ def test_cpu_runs_meet_the_bar():
 
 def test_plan_keeps_the_adapter_knobs(tmp_path):
     """DoRA and modules_to_save are quality choices: fixed by the user (or the file), never
-    searched; the optimizer in backward is not searched (the HF Trainer path cannot run it)."""
+    searched; the optimizer in backward is searched for full fine-tuning, taken only where it is needed
+    (tests/test_optimizer_in_backward_hf.py), not for a full 8B on an 80 GB card."""
     fixed = CliRunner().invoke(main, ["plan", "meta-llama/Llama-3.1-8B", "--gpu", "rtx-4090", "--dora", "--json"])
     assert fixed.exit_code == 0, fixed.output
     setup = json.loads(fixed.stdout)["setup"]

@@ -59,6 +59,7 @@ from .cost_counts import (  # noqa: F401  (re-exported: vramplan.cost is the pub
     dequant_bytes_per_pass,
     dequant_passes,
     gathered_weight_bytes,
+    in_backward_overhead_s,
     lora_width,
     matmul_params,
     passes_per_micro_step,
@@ -66,8 +67,11 @@ from .cost_counts import (  # noqa: F401  (re-exported: vramplan.cost is the pub
     stack_of,
 )
 from .estimator import trainable_params, weights_bytes
+from .estimator.act_offload import exposed_copy_bytes_per_micro_step as act_offload_bytes
 from .estimator.layer_split_memory import copy_bytes_per_micro_step as split_copy_bytes
 from .estimator.precision import compute_bytes
+from .estimator.selective import checkpointed_count
+from .estimator.tensor_parallel import link_bytes_per_micro_step as tp_link_bytes
 from .specs import GpuSpec, ModelSpec, Setup
 from .units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
 
@@ -200,6 +204,9 @@ class StepCost:
     lora_s: float = 0.0
     kbit_s: float = 0.0
     attention_s: float = 0.0
+    #: DPO/GRPO (vramplan/cost_objectives.py): GRPO's generation, the reference model's forward
+    generation_s: float = 0.0
+    reference_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -261,8 +268,12 @@ def executed_flops_per_token(model: ModelSpec, setup: Setup, k: Counts | None = 
 
 
 def recompute_flops_per_token(model: ModelSpec, setup: Setup, k: Counts | None = None) -> float:
-    """Gradient checkpointing runs each layer's forward once more in the backward."""
-    return forward_flops_per_token(model, setup, k) if setup.checkpointing else 0.0
+    """Gradient checkpointing runs each checkpointed layer's forward once more in the backward
+    (every layer; with ``checkpoint_every`` k, ceil(L / k) of L: estimator/selective.py)."""
+    if not setup.checkpointing:
+        return 0.0
+    share = checkpointed_count(setup, model.num_layers) / max(model.num_layers, 1)
+    return forward_flops_per_token(model, setup, k) * share
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,7 +362,7 @@ def cpu_optimizer(setup: Setup) -> bool:
 def optimizer_update_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> float:
     """One optimizer step's update of this GPU's share of the trainable parameters (offloaded: the
     gradients of every micro-step down, the 16-bit parameters up, the update on the host)."""
-    n = k.trainable_params / (setup.gpus if sharding_stage(setup) >= 1 else 1)
+    n = k.trainable_params / (setup.gpus if sharding_stage(setup) >= 1 else setup.tp)  # TP: this GPU's shard
     w = 4.0 if setup.adapters else _weight_bytes_per_param(setup)
     if cpu_optimizer(setup):
         nvme = setup.offload_optimizer == "nvme"
@@ -392,7 +403,7 @@ def comm_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> tuple[fl
     """(seconds per micro-step, seconds per optimizer step) of DDP / ZeRO-1/2 / SHARD_GRAD_OP
     collectives, before overlap. Sharded parameters (ZeRO-3, FULL_SHARD) are :func:`fitted_units`."""
     n = setup.gpus
-    if n == 1 or sharded_params(setup) or setup.device_map != "none":  # a layer split has no collectives
+    if n == 1 or sharded_params(setup) or setup.device_map != "none" or setup.tp > 1:  # no data-parallel ones
         return 0.0, 0.0
     ring = (n - 1) / n
     G, W = _grad_bytes(setup, k), k.weight_bytes
@@ -463,18 +474,21 @@ def step_cost(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, nodes:
                      / (bandwidth(gpu) * MEMORY_BW_EFFICIENCY))
     if setup.liger:
         inv_mfu /= LIGER_THROUGHPUT
+    tp = setup.tp  # tensor parallelism: each GPU runs 1/tp of every matmul (estimator/tensor_parallel.py)
     return StepCost(
-        compute_s=u["compute"] * inv_mfu,
-        recompute_s=u["recompute"] * inv_mfu,
+        compute_s=u["compute"] * inv_mfu / tp,
+        recompute_s=u["recompute"] * inv_mfu / tp,
         dequant_s=dequant,
         optimizer_s=optimizer_update_s(setup, gpu, nodes, k),
-        offload_s=ga * param_offload_s_per_micro_step(setup, gpu, nodes, k),
+        offload_s=ga * (param_offload_s_per_micro_step(setup, gpu, nodes, k)  # + activation offloading's copies
+                        + act_offload_bytes(model, setup) / host_link(gpu)),
         comm_s=u["shard_comm"] * constants["shard_comm_exposure"] + (ga * micro + step) * (1.0 - COMM_OVERLAP)
-        + ga * split_copy_bytes(model, setup) / ring_bandwidth(gpu, 1),  # a layer split's copies: not overlapped
-        overhead_s=ga * model.num_layers * LAYER_OVERHEAD_S,
+        + ga * split_copy_bytes(model, setup) / ring_bandwidth(gpu, 1)  # a layer split's copies: not overlapped
+        + ga * tp_link_bytes(model, setup, gpu) / ring_bandwidth(gpu, 1),  # TP's all-reduces: not overlapped
+        overhead_s=ga * model.num_layers * LAYER_OVERHEAD_S + in_backward_overhead_s(model, setup),
         # a layer split is one process: its GPUs take turns on one micro-batch (naive pipeline)
-        tokens_per_step=setup.tokens * ga * (1 if setup.device_map != "none" else setup.gpus),
-        lora_s=u["lora"] * constants["lora_passes"],
+        tokens_per_step=setup.tokens * ga * (1 if setup.device_map != "none" else setup.gpus // tp),
+        lora_s=u["lora"] * constants["lora_passes"] / tp,
         kbit_s=u["kbit"] * constants["kbit_passes"],
         attention_s=attention,
     )

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from .estimator import trainable_params, weights_bytes
 from .estimator.lora import adapted_linears
+from .estimator.optimizers import trainable_tensors
 from .estimator.stack import DEFAULT_STACK, Stack, stack_from_versions
 from .specs import ModelSpec, Setup
 
@@ -110,3 +111,19 @@ def dequant_passes(setup: Setup) -> int:
 def passes_per_micro_step(setup: Setup) -> int:
     """How often each weight is used per micro-step: forward, backward, and the recompute."""
     return 3 if setup.checkpointing else 2
+
+
+#: Optimizer in backward: the kernel launches one parameter's own optimizer step issues (torch 2.13's
+#: single-tensor foreach/fused AdamW or SGD on a list of one tensor: about ten elementwise kernels), each
+#: at a launch's CPU cost (not fitted). The update's bytes and FLOPs are those of the whole-model step
+#: (optimizer_update_s prices them unchanged); only the launches of one step per tensor are added.
+IN_BACKWARD_LAUNCHES_PER_TENSOR = 10
+LAUNCH_S = 5e-6
+
+
+def in_backward_overhead_s(model: ModelSpec, setup: Setup) -> float:
+    """Seconds per optimizer step the per-parameter optimizer steps add (0 without the knob)."""
+    if not setup.optimizer_in_backward:
+        return 0.0
+    tensors = sum(count for _, count in trainable_tensors(model, setup))
+    return tensors * IN_BACKWARD_LAUNCHES_PER_TENSOR * LAUNCH_S

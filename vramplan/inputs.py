@@ -58,6 +58,7 @@ MAX_COUNTS: dict[str, int] = {
     "max_prompt_length": 1 << 24,
     "max_completion_length": 1 << 24,
     "num_generations": 1 << 12,
+    "checkpoint_every": 1 << 16,  # layers
 }
 
 

@@ -3,8 +3,9 @@
 Pure functions, no torch, no printing: ``load_records`` reads the records, ``compare`` estimates
 each comparable one and returns typed rows, ``summarize`` groups them (per source, method,
 quantity, family), ``token_slopes`` pairs rows that differ only in the micro-batch (what one more
-token costs, measured and estimated: per-token gaps apart from constant ones) and ``excluded``
-lists the rows set aside with their reasons. The caller
+token costs, measured and estimated: per-token gaps apart from constant ones), ``step_intercepts``
+their constant above the allocation after training (which moment of the step the peak is) and
+``excluded`` lists the rows set aside with their reasons. The caller
 (``benchmarks/published_accuracy.py``, ``vramplan validate --published``) prints.
 """
 
@@ -18,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from .estimator import DEFAULT_CORRECTIONS, Corrections, estimate
+from .estimator.fsdp import fsdp_memory
 from .estimator.stack import stack_from_versions
 from .profiles import load_gpu, load_model
 from .specs import Breakdown, ModelSpec, Setup, SpecError
@@ -239,6 +241,55 @@ def token_slopes(records: Iterable[dict], rows: Iterable[PublishedRow]) -> list[
             measured_per_token=(hi.measured_bytes - lo.measured_bytes) / dn,
             estimated_per_token=(hi.estimated_bytes - lo.estimated_bytes) / dn, phases=(lo.phase, hi.phase)))
     return sorted(out, key=lambda t: (t.quantity, t.family, t.method, t.gpus, t.ids))
+
+
+#: secondary_measurements key of the allocation after training (fms-acceleration's
+#: ``mem_torch_mem_alloc_in_bytes``: the resting weights and optimizer states)
+AFTER_TRAIN = "torch_alloc_after_train_bytes"
+
+
+@dataclass(frozen=True)
+class StepIntercept:
+    """A :class:`TokenSlope` of allocated peaks whose records also publish the allocation after
+    training: the step's constant above the resting states, ``peak - after - slope x tokens``
+    (the same from either row), beside what FSDP1 holds unsharded at a moment one layer unit is
+    gathered (estimator/fsdp.py ``fsdp_memory``: the root unit and one layer unit; 0 on one GPU).
+    Equal: the peak is a moment with exactly one layer unit gathered, so a decoder layer's
+    backward under reentrant checkpointing (no prefetch, ``fsdp_phase_peaks``); one layer unit
+    more: a prefetched one; the root alone: the loss."""
+
+    ids: tuple[str, str]
+    gpus: int
+    fsdp: str
+    measured_bytes: float
+    one_layer_bytes: int  # root + one layer unit, unsharded (FSDP1); 0 without FSDP
+    layer_bytes: int  # one layer unit, unsharded (the step between one and two gathered)
+
+    @property
+    def excess_bytes(self) -> float:
+        return self.measured_bytes - self.one_layer_bytes
+
+
+def step_intercepts(records: Iterable[dict], slopes: Iterable[TokenSlope]) -> list[StepIntercept]:
+    """:class:`StepIntercept` of each allocated slope whose two records publish :data:`AFTER_TRAIN`."""
+    by_id = {r["id"]: r for r in records}
+    out = []
+    for t in slopes:
+        if t.quantity != "allocated" or t.error is None:  # an optimizer-step peak has no per-token slope
+            continue
+        lo = by_id[t.ids[0]]
+        after = (lo.get("secondary_measurements") or {}).get(AFTER_TRAIN)
+        if not isinstance(after, (int, float)) or after <= 0:
+            continue
+        setup = Setup.from_dict(lo["setup"])
+        root = layer = 0
+        if setup.fsdp != "none" and setup.fsdp_version == 1:
+            fm = fsdp_memory(resolve_model(lo["model"]), setup)
+            root, layer = fm.root, fm.layer
+        measured = int(lo["measured_bytes"]) - after - t.measured_per_token * t.tokens[0]
+        out.append(StepIntercept(ids=t.ids, gpus=t.gpus, fsdp=t.fsdp, measured_bytes=measured,
+                                 one_layer_bytes=root + layer, layer_bytes=layer))
+    return out
 
 
 def exclusion_counts(records: Iterable[dict]) -> list[tuple[str, int]]:

@@ -41,11 +41,8 @@ def lora_targets(model: ModelSpec, setup: Setup) -> tuple[list[LinearSpec], list
 #: Setup knobs the estimator does not model yet: field -> what a setup that sets it is told. A knob
 #: leaves this table in the change that models it (estimator term, truth, validate knob).
 NOT_MODELLED: dict[str, str] = {
-    "activation_offload": "activation offloading is not modelled yet",
-    "tp": "tensor parallelism (transformers tp_plan=\"auto\") is not modelled yet; split the model with --fsdp, "
-          "--zero 3 or, in one process, --device-map auto",
-    "cp": "context parallelism (accelerate ParallelismConfig cp_size) is not modelled yet",
-    "fsdp_version": "FSDP2 (fully_shard) is not modelled yet; --fsdp models accelerate's FSDP1",
+    "cp": "context parallelism (accelerate ParallelismConfig cp_size) is not modelled yet: accelerate 1.15 runs it "
+          "under FSDP2 only (Accelerator.maybe_context_parallel: torch's experimental ring attention over CUDA SDPA)",
 }
 
 _SETUP_DEFAULTS = Setup()
@@ -56,6 +53,44 @@ def refuse_unmodelled(setup: Setup) -> None:
     for name, why in NOT_MODELLED.items():
         if getattr(setup, name) != getattr(_SETUP_DEFAULTS, name):
             raise SpecError(f"{why} (--{name.replace('_', '-')})")
+
+
+#: The optimizers FSDP2 is modelled with (torch AdamW foreach or fused, SGD), estimator/fsdp2.py.
+FSDP2_OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
+
+
+def check_fsdp2(model: ModelSpec, setup: Setup) -> None:
+    """FSDP2 (``--fsdp-version 2``) is modelled for what estimator/fsdp2.py verifies against
+    vramplan.run.fsdp2 (``validate --knob fsdp2``); the rest is refused, each with why."""
+    if setup.fsdp_version != 2:
+        return
+    why = None
+    model_moe = model.moe is not None or any(name in ("experts", "router") for name, _ in model.other_params)
+    if setup.fsdp == "no_shard":
+        why = ("FSDP2 has no NO_SHARD (accelerate 1.15's fsdp_reshard_after_forward is a bool): use "
+               "--fsdp full_shard or shard_grad_op, or plain DDP")
+    elif setup.gpus < 2:
+        why = "FSDP2 on one GPU is not modelled yet; use 2+ GPUs"
+    elif setup.offload_params != "none":
+        why = "FSDP2 CPU offload (CPUOffloadPolicy) is not modelled yet: it cannot be verified without a GPU"
+    elif model_moe:
+        why = ("FSDP2 on a mixture-of-experts model is not modelled yet (its ranks' peaks differ by 5-11 % "
+               "on the tiny Mixtral run); use --fsdp-version 1")
+    elif setup.quant not in ("none", "nf4", "fp4"):
+        why = f"FSDP2 with a --quant {setup.quant} base is not modelled yet; use --fsdp-version 1"
+    elif setup.optimizer not in FSDP2_OPTIMIZERS:
+        why = f"FSDP2 with --optimizer {setup.optimizer} is not modelled yet; modelled: {', '.join(FSDP2_OPTIMIZERS)}"
+    else:  # knobs whose interplay with fully_shard no FSDP2 truth has run
+        knob = next((k for k in _FSDP2_UNRUN if getattr(setup, k) != getattr(_SETUP_DEFAULTS, k)), None)
+        if knob is not None:
+            why = f"FSDP2 with --{knob.replace('_', '-')} is not modelled yet; use --fsdp-version 1"
+    if why:
+        raise SpecError(why)
+
+
+#: Setup knobs FSDP2 refuses away from their defaults (vramplan.run.fsdp2 runs none of them).
+_FSDP2_UNRUN = ("loss", "liger", "dora", "modules_to_save", "activation_offload", "checkpoint_every",
+                "optimizer_in_backward", "objective", "eval_batch", "tp", "cp", "padding_free")
 
 
 def check_liger(model: ModelSpec, setup: Setup) -> None:
@@ -76,6 +111,36 @@ def check_liger(model: ModelSpec, setup: Setup) -> None:
                         f"{setup.objective.upper()} loss) is not modelled yet; Liger is modelled for SFT")
 
 
+def check_activation_offload(model: ModelSpec, setup: Setup) -> None:
+    """Raise SpecError for an activation-offloading setup that estimator/act_offload.py does not model
+    (TRL 1.16's OffloadActivations; its docstring says why each is refused)."""
+    if not setup.activation_offload:
+        return
+    why = None
+    if not setup.checkpointing:
+        why = ("without --checkpointing TRL offloads every saved tensor but its storage deduplication keeps each "
+               "tensor saved twice on the device (it can take more device memory than checkpointing alone); "
+               "not modelled: add --checkpointing")
+    elif setup.method == "qlora" or setup.quant != "none":
+        why = "on a quantized base: modelled for a 16-bit base (bitsandbytes layers are not traced)"
+    elif model.traits.norm not in ("rms", "rms_fp32_mul") or model.traits.final_logit_softcapping:
+        why = f"on {model.name} (its final norm or logit soft-capping saves other tensors): not traced yet"
+    elif setup.precision not in ("bf16", "fp16"):
+        why = f"with --precision {setup.precision}: modelled for a 16-bit step (bf16, fp16)"
+    elif setup.gpus > 1 or setup.zero_stage or setup.fsdp != "none" or setup.device_map != "none":
+        why = "on several GPUs (ZeRO, FSDP, DDP, a layer split): modelled on one GPU"
+    elif setup.loss != "hf" or setup.liger or setup.objective != "sft":
+        why = "with a fused/chunked loss, Liger or DPO/GRPO: modelled with transformers' default loss (SFT)"
+    elif setup.padding_free or setup.pad_mask or setup.eval_batch:
+        why = "with padding-free or padded batches or an eval step: not traced yet"
+    elif setup.modules_to_save or setup.dora or setup.optimizer_in_backward or setup.checkpoint_every > 1:
+        why = "with modules_to_save, DoRA, optimizer in backward or selective checkpointing: not traced yet"
+    elif model.moe is not None:
+        why = f"on a mixture-of-experts model ({model.name}): not traced yet"
+    if why:
+        raise SpecError(f"--activation-offload {why}")
+
+
 def check_padding_free(model: ModelSpec, setup: Setup) -> None:
     """Padding-free batches (TRL ``padding_free``, ``DataCollatorWithFlattening``): one row of
     ``batch * seq`` tokens whose ``position_ids`` restart per sequence. transformers 5.24 runs it as
@@ -94,10 +159,17 @@ def check_padding_free(model: ModelSpec, setup: Setup) -> None:
 def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[str]:
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
+    check_fsdp2(model, setup)
+    if setup.activation_offload:  # modelled for what estimator/act_offload.py names; the rest refused
+        check_activation_offload(model, setup)
     if setup.liger:
         check_liger(model, setup)
     if setup.padding_free:
         check_padding_free(model, setup)
+    if setup.checkpoint_every > 1:
+        from .estimator.selective import check_selective
+
+        check_selective(model, setup)
     warnings: list[str] = []
     if model.max_position_embeddings and setup.seq > model.max_position_embeddings:
         warnings.append(

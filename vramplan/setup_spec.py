@@ -65,6 +65,10 @@ class Setup:
     precision: str = "bf16"
     optimizer: str = "adamw"
     checkpointing: bool = False
+    #: with ``checkpointing``: checkpoint every k-th decoder layer (layer i when ``i % k == 0``, as
+    #: transformers 5.24 ``activation_checkpointing_enable(every_n_layers=k)`` places them); the
+    #: others keep their activations. 1: every layer
+    checkpoint_every: int = 1
     attn: str = "auto"  # auto: what transformers picks for the family
     batch: int = 1
     seq: int = 2048
@@ -238,6 +242,10 @@ class Setup:
 
 def _check_knobs(s: Setup) -> None:
     """The memory knobs: adapters-only ones, and what each cannot be combined with."""
+    if isinstance(s.checkpoint_every, bool) or not isinstance(s.checkpoint_every, int) or s.checkpoint_every < 1:
+        raise SpecError(f"checkpoint_every must be a positive integer (1: every layer); got {s.checkpoint_every!r}")
+    if s.checkpoint_every > 1 and not s.checkpointing:
+        raise SpecError("checkpoint_every picks which layers checkpointing recomputes: add --checkpointing")
     if s.modules_to_save.strip() and not s.adapters:
         raise SpecError("modules_to_save trains whole modules beside LoRA adapters: use --method lora or qlora "
                         "(full fine-tuning trains them already)")
@@ -248,10 +256,20 @@ def _check_knobs(s: Setup) -> None:
                         "use --grad-accum 1 (torchtune refuses optimizer_in_bwd with gradient accumulation)")
     if s.optimizer_in_backward and s.zero_stage:
         raise SpecError("optimizer_in_backward under DeepSpeed ZeRO is not how ZeRO steps; use --zero 0")
-    # modelled on one unsharded GPU (estimator/knobs.py): ZeRO, FSDP and DDP shard or bucket what they add
+    # modelled on one unsharded GPU (estimator/knobs.py): ZeRO, FSDP and DDP shard or bucket what they add;
+    # modules_to_save also under ZeRO 1/2 (its copies join DeepSpeed's flat groups), DDP (its buckets copy
+    # their gradients) and FSDP1 full_shard (each copy its own unit), checked by validate --knob
+    # modules_to_save against the N-process truths
     sharded = s.zero_stage or s.fsdp != "none" or s.gpus > 1
-    for name, on in (("modules_to_save", bool(s.modules_to_save.strip())), ("dora", s.dora),
-                     ("optimizer_in_backward", s.optimizer_in_backward)):
+    if s.modules_to_save.strip() and s.zero_stage == 3:  # DeepSpeed 0.19.8 stage3.py, zero/utils.py defragment
+        raise SpecError("modules_to_save under ZeRO-3 fails in DeepSpeed 0.19.8's initialize (peft's fp32 adapters "
+                        "and the 16-bit module copies in one group: defragment asserts one dtype); use --zero 2")
+    if s.modules_to_save.strip() and s.fsdp != "none" and (
+            s.fsdp != "full_shard" or s.gpus < 2 or s.fsdp_version != 1 or s.quant != "none"
+            or s.offload_params != "none" or s.optimizer not in ("adamw", "adamw-fused", "sgd")):
+        raise SpecError("modules_to_save under FSDP is modelled for FSDP1 full_shard on 2+ GPUs with a 16/32-bit "
+                        "base, no CPU offload and torch AdamW/SGD only (verified there); use those, --zero 2 or DDP")
+    for name, on in (("dora", s.dora), ("optimizer_in_backward", s.optimizer_in_backward)):
         if on and sharded:
             raise SpecError(f"{name} is modelled on one GPU without ZeRO/FSDP/DDP only; use --gpus 1 "
                             "(no --zero, no --fsdp)")

@@ -215,10 +215,11 @@ class Breakdown:
 #: modelled; ``estimate`` a note of the estimate; ``text`` a note read back from a plan file;
 #: ``lower_tier_faster`` a plan of a lower quality tier is much faster (named, not chosen);
 #: ``offload`` the plan offloads because nothing resident fits; ``host_ram_source`` which host
-#: RAM the plan was checked against.
+#: RAM the plan was checked against; DPO/GRPO (search/explain_objectives.py): ``objective_speed`` the
+#: step's time by phase, ``generation`` GRPO's engine and vLLM's share, ``reference`` DPO's reference.
 NoteKind = Literal["no_fit", "gpu_only", "what_would_fit", "nothing_would_fit", "tight", "quality", "micro_batch",
                    "host_ram", "flash_attn", "duration", "speed_model", "estimate", "text", "lower_tier_faster",
-                   "offload", "host_ram_source"]
+                   "offload", "host_ram_source", "objective_speed", "generation", "reference"]
 
 #: What a why-not line says: ``too_big`` a family of a higher tier does not fit; ``needs_offload``
 #: it fits only with CPU/NVMe offload (or, on one GPU, a distributed engine) while a resident plan
@@ -328,6 +329,7 @@ class Plan:
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step: micro-batch x grad accumulation x data-parallel GPUs (a
-        layer split is one process: its GPUs share one micro-batch)."""
-        dp = 1 if self.setup.device_map != "none" else self.setup.gpus
+        layer split is one process: its GPUs share one micro-batch, as tensor-parallel ones do)."""
+        # tensor/context-parallel GPUs share one micro-batch too
+        dp = 1 if self.setup.device_map != "none" else self.setup.gpus // (self.setup.tp * self.setup.cp)
         return self.setup.batch * self.setup.grad_accum * dp

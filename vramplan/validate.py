@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .accuracy import Row
 from .specs import Setup
 from .validate_eval import EVAL_CASE_PHASES, eval_cases, eval_cpu_rows
-from .validate_knobs import KNOB_CASE_PHASES, knob_cases
+from .validate_knobs import KNOB_CASE_PHASES, distributed_knob_rows, knob_cases
 from .validate_objectives import objective_cases, objective_rows, trl_loss_cases
 
 #: Models of the matrix: three dense families for every knob, three MoE families for MoE routing.
@@ -36,9 +36,10 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 
 #: Knobs in table order.
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
-         "moe", "loss", "modules_to_save", "dora", "optimizer_in_backward",
-         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "ddp", "device_map", "device_overheads",
-         "measured", "dpo", "grpo", "eval")
+         "selective_checkpointing",
+         "moe", "loss", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
+         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "ddp", "device_map", "tp", "device_overheads",
+         "measured", "dpo", "orpo", "kto", "grpo", "eval")
 
 #: Where `vramplan measure` / `sweep` append their records (vramplan.measure.RECORDS_DIR).
 MEASUREMENTS = "calibration/measurements"
@@ -252,6 +253,12 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             rows.append(_unverified(knob, Setup(zero_stage=2, gpus=2) if knob == "zero" else Setup(gpus=2),
                                     f"no {knob} rows from the N-process truth "
                                     "(vramplan.run.distributed.zero_rows) yet"))
+    # on 2 ranks: ZeRO 1/2 and DDP (validate_knobs.py); not in --quick, which leaves N-process truths to their tests
+    if "modules_to_save" in wanted and not quick:
+        try:
+            rows += distributed_knob_rows(quick, Row)
+        except ImportError:  # the N-process truths need torch, deepspeed and accelerate
+            pass
     if "device_map" in wanted:
         try:
             from .run import layer_split_truth  # the real placement on the meta device, when installed
@@ -259,6 +266,20 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             layer_split_truth = None
         if layer_split_truth is not None:
             rows += layer_split_truth.layer_split_rows(quick)
+    if "fsdp2" in wanted:
+        try:
+            from .run import fsdp2  # FSDP2 (fully_shard through accelerate) on N gloo ranks
+        except ImportError:
+            fsdp2 = None
+        if fsdp2 is not None:
+            rows += fsdp2.fsdp2_rows(quick)
+    if "tp" in wanted:
+        try:
+            from .run import tp_truth  # tensor parallelism: transformers' DTensor plan on N gloo ranks
+        except ImportError:
+            tp_truth = None
+        if tp_truth is not None:
+            rows += tp_truth.tp_rows(quick)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "

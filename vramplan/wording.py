@@ -31,7 +31,8 @@ def describe(setup: Setup) -> str:
     parts += [setup.precision, setup.optimizer, f"batch {setup.batch} x seq {setup.seq}"]
     if setup.grad_accum > 1:
         parts.append(f"grad accum {setup.grad_accum}")
-    parts.append("checkpointing" if setup.checkpointing else "no checkpointing")
+    parts.append(("checkpointing" + (f" 1 layer in {setup.checkpoint_every}" if setup.checkpoint_every > 1 else ""))
+                 if setup.checkpointing else "no checkpointing")
     if setup.attn != "auto":
         parts.append(f"attn {setup.attn}")
     if setup.pad_mask:
@@ -40,6 +41,8 @@ def describe(setup: Setup) -> str:
         parts.append(f"{setup.loss} loss")
     if setup.liger:
         parts.append("Liger kernels")
+    if setup.activation_offload:
+        parts.append("activation offload")
     if setup.padding_free:
         parts.append("padding-free")
     if setup.optimizer_in_backward:
@@ -49,15 +52,18 @@ def describe(setup: Setup) -> str:
     if setup.objective != "sft":  # DPO/GRPO: the objective, its reference and generation knobs
         parts.append(setup.objective.upper() + (f" x{setup.num_generations}" if setup.objective == "grpo" else "")
                      + (f" ref {setup.ref_model}" if setup.ref_model != "auto" else "")
-                     + (f" {setup.generation}" if setup.generation != "hf" else ""))
+                     + (f" {setup.generation}" if setup.generation != "hf" else "")
+                     + (f" {setup.vllm_memory_fraction:.2f}" if setup.generation == "vllm-colocate" else ""))
     if setup.gpus > 1:
         parts.append(f"{setup.gpus} GPUs")
+    if setup.tp > 1:  # transformers' tp_plan: every layer sharded over the GPUs
+        parts.append(f"tensor parallel (tp {setup.tp})")
     if setup.device_map != "none":  # one process, the layers over the GPUs
         parts.append(f"layer split (device_map={setup.device_map})")
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
     if setup.fsdp != "none":
-        parts.append(f"FSDP {setup.fsdp.upper()}")
+        parts.append(f"FSDP{'2' if setup.fsdp_version == 2 else ''} {setup.fsdp.upper()}")
     if setup.offload_optimizer != "none":
         parts.append(f"optimizer offload to {setup.offload_optimizer}")
     if setup.offload_params != "none":

@@ -209,8 +209,9 @@ def normalise(row: dict) -> dict:
     quant_raw = (row.get("quantization") or "").lower()
     method = {"full": "full", "lora": "lora", "qlora": "qlora"}.get(method_raw, "lora")
     quant, double_quant = "none", True
-    if "modules_to_save" in json.dumps(row.get("trainable_extra")) or "embedding and lm_head" in method_raw:
-        unexpressible.append("modules_to_save (fully trained embedding and lm_head beside LoRA)")
+    # peft modules_to_save (estimator/knobs.py): the fully trained embedding and head beside LoRA
+    modules_to_save = ("embed_tokens,lm_head" if "modules_to_save" in json.dumps(row.get("trainable_extra"))
+                       or "embedding and lm_head" in method_raw else "")
     if "gptq" in quant_raw:
         method, quant = "lora", "gptq"
         if "int8" in quant_raw:
@@ -249,8 +250,7 @@ def normalise(row: dict) -> dict:
     # --- optimizer
     opt_raw = (row.get("optimizer") or "").lower()
     optimizer = "adamw"
-    if "optimizer_in_bwd" in opt_raw and "optimizer_in_bwd=false" not in opt_raw:
-        unexpressible.append("optimizer_in_bwd (step fused into backward)")
+    in_backward = "optimizer_in_bwd" in opt_raw and "optimizer_in_bwd=false" not in opt_raw  # --optimizer-in-backward
     if "pagedadamw8bit" in opt_raw:
         optimizer = "paged-adamw-8bit"
     elif "pagedadamw" in opt_raw:
@@ -271,13 +271,13 @@ def normalise(row: dict) -> dict:
     if row.get("gradient_checkpointing") is None:
         unexpressible.append("gradient checkpointing not stated")
     other = [str(o) for o in (row.get("other_memory_optimizations") or [])]
-    liger = False
+    liger = act_offload = False
     for o in other:
         ol = o.lower()
         if ol.startswith("compile=true") or "torch.compile" in ol:
             unexpressible.append("torch.compile")
         elif "activation_offloading=true" in ol or "activation offload" in ol:
-            unexpressible.append("activation offloading")
+            act_offload = True  # --activation-offload (TRL's OffloadActivations; torchtune's is refused)
         elif "chunked" in ol and "loss" in ol:
             unexpressible.append("torchtune CEWithChunkedOutputLoss")
         elif "liger" in ol:
@@ -296,11 +296,8 @@ def normalise(row: dict) -> dict:
     dist_raw = (row.get("distributed") or "").lower()
     gpus = int(row.get("num_gpus") or 1)
     zero_stage, fsdp, offload_params, offload_optimizer = 0, "none", "none", "none"
-    if "device_map" in dist_raw or "model parallel" in dist_raw:
-        unexpressible.append("device_map model parallelism (layers split over GPUs, not data parallel)")
-        gpus_setup = 1
-    else:
-        gpus_setup = gpus
+    device_map = "auto" if "device_map" in dist_raw or "model parallel" in dist_raw else "none"  # --device-map
+    gpus_setup = gpus
     if "deepspeed" in dist_raw:
         zero_stage = int(row.get("zero_stage") or 0)
     if "fsdp" in dist_raw:
@@ -357,6 +354,8 @@ def normalise(row: dict) -> dict:
         "checkpointing": ckpt, "attn": attn, "batch": batch, "seq": max(seq, 1), "grad_accum": grad_accum,
         "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
         "gpus": gpus_setup, "loss": "hf", "pad_mask": False, "fsdp": fsdp, "liger": liger,
+        "modules_to_save": modules_to_save, "optimizer_in_backward": in_backward, "activation_offload": act_offload,
+        "device_map": device_map,
     }
     if method == "full":
         setup["lora_alpha"] = None
@@ -390,7 +389,7 @@ def normalise(row: dict) -> dict:
         reasons.append("value read off a chart (approximate)")
     if setup_error:
         reasons.append("setup vramplan refuses: " + setup_error)
-    if gpus > 1 and fsdp == "none" and zero_stage == 0 and "device_map" not in " ".join(unexpressible):
+    if gpus > 1 and fsdp == "none" and zero_stage == 0 and device_map == "none":
         notes.append("several GPUs without ZeRO/FSDP: plain data parallel (DDP)")
     comparable = not reasons
     gpu = _gpu(row.get("gpu") or "")

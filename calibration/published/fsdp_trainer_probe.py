@@ -11,9 +11,13 @@ Not part of the package or the tests: it needs a venv with the rows' stack, e.g.
     $V calibration/published/fsdp_trainer_probe.py SEQ BS one
     $V -m torch.distributed.run --nproc_per_node 2 calibration/published/fsdp_trainer_probe.py SEQ BS fsdp
 
-Env: H, I, L (hidden, intermediate, layers; 64/128/2), AMP=1 (TrainingArguments bf16=True, the
-QLoRA rows' precision). Vocab 32000 (Mistral's), so the logits dominate. On the CPU, accelerate's
-state is MULTI_CPU; it is switched to FSDP with an env-built FullyShardedDataParallelPlugin as
+Env: H, I, L, NH, NKV, VOCAB (hidden, intermediate, layers, heads, KV heads, vocabulary;
+64/128/2/4/2/32000), AMP=1
+(TrainingArguments bf16=True, the QLoRA rows' precision), NONREENTRANT=1 (``use_reentrant: False``;
+else transformers 4.48.1's default, reentrant), LAYERS=1 (the live bytes at each layer's
+recomputed forward: reentrant checkpointing only). Vocab 32000 (Mistral's) by default, so the
+logits dominate.
+On the CPU, accelerate's state is MULTI_CPU; it is switched to FSDP with an env-built FullyShardedDataParallelPlugin as
 vramplan/run/fsdp.py does (the Trainer then applies peft's fsdp_auto_wrap_policy itself). On a
 CUDA machine with 2 GPUs nothing is switched: `accelerate launch` with fms-acceleration's
 scripts/benchmarks/accelerate.yaml is the real thing, and the counter can be replaced by
@@ -51,8 +55,9 @@ CPU = not torch.cuda.is_available()
 def main(seq: int, batch: int, mode: str) -> None:
     torch.set_num_threads(1)
     env = os.environ.get
-    cfg = MistralConfig(vocab_size=32000, hidden_size=int(env("H", 64)), intermediate_size=int(env("I", 128)),
-                        num_hidden_layers=int(env("L", 2)), num_attention_heads=4, num_key_value_heads=2,
+    cfg = MistralConfig(vocab_size=int(env("VOCAB", 32000)), hidden_size=int(env("H", 64)),
+                        intermediate_size=int(env("I", 128)), num_hidden_layers=int(env("L", 2)),
+                        num_attention_heads=int(env("NH", 4)), num_key_value_heads=int(env("NKV", 2)),
                         max_position_embeddings=4096, sliding_window=None, torch_dtype="bfloat16")
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -61,7 +66,7 @@ def main(seq: int, batch: int, mode: str) -> None:
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    ids = torch.randint(0, 32000, (64, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, cfg.vocab_size, (64, seq), generator=torch.Generator().manual_seed(1))
 
     class Rows(torch.utils.data.Dataset):
         def __len__(self):
@@ -73,6 +78,14 @@ def main(seq: int, batch: int, mode: str) -> None:
     counter = ResizingCounter()
     counter.track(model)
     peaks: dict = {}
+    layer_log: list = []  # LAYERS=1: (layer, live bytes) at each recomputed forward of step 2
+    step = {"n": 0}
+    if env("LAYERS") == "1":
+        for i, layer in enumerate(model.base_model.model.model.layers):
+            def log(mod, args, kwargs, i=i):
+                if torch.is_grad_enabled() and step["n"] == 1:
+                    layer_log.append((i, counter.current_bytes))
+            layer.register_forward_pre_hook(log, with_kwargs=True)
 
     class PhasedTrainer(Trainer):
         def create_accelerator_and_postprocess(self):
@@ -106,6 +119,7 @@ def main(seq: int, batch: int, mode: str) -> None:
             counter.phase("optimizer")
 
         def on_step_end(self, args, state, control, **kw):
+            step["n"] = state.global_step
             counter.phase(None)
             if state.global_step == 2:
                 peaks.update(counter.phase_peaks)
@@ -118,14 +132,15 @@ def main(seq: int, batch: int, mode: str) -> None:
     args = TrainingArguments(
         output_dir="/tmp/fsdp_trainer_probe", use_cpu=CPU, per_device_train_batch_size=batch, max_steps=2,
         gradient_checkpointing=True, learning_rate=1e-4, weight_decay=0.01, adam_epsilon=1e-4, report_to=[],
-        save_strategy="no", logging_strategy="no", bf16=env("AMP") == "1", **fsdp)
+        save_strategy="no", logging_strategy="no", bf16=env("AMP") == "1",
+        gradient_checkpointing_kwargs={"use_reentrant": False} if env("NONREENTRANT") == "1" else None, **fsdp)
     trainer = PhasedTrainer(model=model, args=args, train_dataset=Rows(), callbacks=[Phases()])
     with counter:
         trainer.train()
     acc = trainer.accelerator
     print(json.dumps({"mode": mode, "seq": seq, "batch": batch, "rank": int(env("RANK", 0)),
                       "wrapped": type(trainer.model_wrapped).__name__, "mixed_precision": acc.mixed_precision,
-                      "native_amp": acc.native_amp, "peaks": peaks}))
+                      "native_amp": acc.native_amp, "peaks": peaks, "layers": layer_log}))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ _MORE_KNOBS = {
     "offload_optimizer": "[default: searched]",
     "offload_params": "[default: searched]",
     "fsdp": "Fix PyTorch FSDP sharding instead of ZeRO (none: no FSDP)  [default: searched on several GPUs]",
+    "fsdp_version": "accelerate fsdp_version: 2 fixes FSDP2 (fully_shard; needs --fsdp)  [default: 1]",
     "loss": "[default: hf]",
     "liger": "Liger kernels  [default: searched where modelled, chosen only when a plain stack does not fit]",
     "dora": "DoRA adapters (peft use_dora)  [default: no]",
@@ -272,6 +273,20 @@ def _refuse_overwrites(out_file: str | None, html_file: str | None, emit_dir: st
         check_out_dir(emit_dir, force)
 
 
+def _step_rows(setup, global_batch: int) -> str:
+    """What one step trains on: SFT sequences; DPO pairs (chosen + rejected rows); GRPO prompts x
+    generations rows of prompt + completion (the rows tokens/s counts, vramplan/cost_objectives.py)."""
+    if setup.objective == "sft":
+        return f"{global_batch} x {setup.seq} tokens"
+    from ..estimator.objectives import lengths
+
+    lens = lengths(setup)
+    if setup.objective == "grpo":
+        return (f"{global_batch} prompt{'s' if global_batch != 1 else ''} x {setup.num_generations} completions of "
+                f"{lens.prompt} + {lens.completion} tokens")
+    return f"{global_batch} x {lens.rows // max(setup.batch, 1)} rows of {lens.row_len} tokens"
+
+
 def print_plan(plan) -> None:
     """The human-readable plan: verdict, memory bar, speed, alternatives, why-not lines, notes."""
     from rich.console import Console
@@ -300,10 +315,11 @@ def print_plan(plan) -> None:
         console.print(f"headroom {bd.headroom_bytes / 2**30:.1f} GiB ({share:.0%}) · peak in {bd.phase}"
                       + (f" · host RAM {bd.host_bytes / 2**30:.1f} GiB offloaded per GPU" if bd.host_bytes else ""))
         split = plan.setup.device_map != "none"
-        ranks = f" x {plan.setup.gpus} GPUs" if plan.setup.gpus > 1 and not split else ""
+        ranks = f" x {plan.setup.gpus} GPUs" if plan.setup.gpus > 1 and not split and plan.setup.tp == 1 else ""
         ranks += "; one process, the layers split over the GPUs" if split else ""
+        ranks += f"; tensor parallelism: the {plan.setup.tp} GPUs share each micro-batch" if plan.setup.tp > 1 else ""
         console.print(f"speed: ~{plan.tokens_per_s:,.0f} tokens/s · {plan.step_time_s:.2f} s per step of "
-                      f"{plan.global_batch} x {plan.setup.seq} tokens (micro-batch {plan.setup.batch} x grad accum "
+                      f"{_step_rows(plan.setup, plan.global_batch)} (micro-batch {plan.setup.batch} x grad accum "
                       f"{plan.setup.grad_accum}{ranks})")
     if plan.alternatives:
         table = Table(title="alternatives (Pareto: memory · speed · quality)", title_justify="left",

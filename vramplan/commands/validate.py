@@ -20,8 +20,8 @@ from .options import calibration_options, print_json, user_errors
 @click.option("--quick", is_flag=True, help="The small subset run in CI (one family, a few knobs).")
 @click.option("--knob", "knobs", multiple=True, metavar="K",
               help="Only these knobs (repeatable): canonical, quantization, optimizer, precision, attention, "
-                   "grad_accum, checkpointing, moe, loss, liger, padding_free, zero, fsdp, ddp, gptq_awq, "
-                   "device_overheads, measured, dpo, grpo.")
+                   "grad_accum, checkpointing, moe, loss, liger, padding_free, activation_offload, zero, fsdp, ddp, "
+                   "gptq_awq, device_overheads, measured, dpo, orpo, kto, grpo.")
 @click.option("--measurements", default="calibration/measurements", show_default=True, metavar="DIR",
               help="Records of `vramplan measure`/`sweep`: the 'measured' truth column.")
 @click.option("--throughput", is_flag=True,

@@ -20,6 +20,7 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
         excluded,
         exclusion_counts,
         load_records,
+        step_intercepts,
         summarize,
         token_slopes,
     )
@@ -35,6 +36,7 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
     rows = sorted(compare(records, estimator=estimator), key=lambda r: (r.quantity, r.error))
     summary = summarize(rows)
     slopes = token_slopes(records, rows)
+    intercepts = step_intercepts(records, slopes)
     out = excluded(records)
     calibration = sorted({c.calibration.group if c.calibration else "none (raw model)" for c in applied.values()})
     if as_json:
@@ -43,6 +45,7 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
                     "summary": [s.__dict__ for s in summary],
                     "token_slopes": [dict(t.__dict__, excess_per_token=t.excess_per_token, error=t.error)
                                      for t in slopes],
+                    "step_intercepts": [dict(i.__dict__, excess_bytes=i.excess_bytes) for i in intercepts],
                     "excluded": [e.__dict__ for e in out]})
         return
     click.echo(f"calibration: {', '.join(calibration)} (the device terms are fitted on these runs' allocated vs "
@@ -66,6 +69,12 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
                        f"under-estimated by more than {UNDER:.0%} in {s.under_share:.0%} of {s.rows} rows")
     click.echo()
     _echo_slopes(slopes)
+    click.echo()
+    click.echo("step intercepts (allocated: peak - allocation after training - slope x tokens; FSDP1: vs the root and "
+               "one layer unit unsharded, MiB)")
+    for i in intercepts:
+        click.echo(f"  {i.ids[0][:52]:52s} {i.gpus:4d} {i.fsdp:10s} meas {i.measured_bytes / 2**20:9.1f}  root+1 layer "
+                   f"{i.one_layer_bytes / 2**20:9.1f}  excess {i.excess_bytes / 2**20:+7.1f}")
     click.echo()
     click.echo(f"{len(records)} records: {len({r.id for r in rows})} comparable, {len(out)} excluded")
     for reason, n in exclusion_counts(records):

@@ -40,7 +40,7 @@ def accelerate_config(plan: Plan) -> dict:
         cfg["deepspeed_config"] = ds
     elif fsdp != "none":
         cfg["distributed_type"] = "FSDP"
-        cfg["fsdp_config"] = {
+        cfg["fsdp_config"] = _fsdp2_config(plan) if s.fsdp_version == 2 else {
             "fsdp_version": 1,
             "fsdp_sharding_strategy": FSDP_STRATEGIES[fsdp],
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -70,6 +70,24 @@ def accelerate_config(plan: Plan) -> dict:
     if plan.nodes > 1:
         cfg["main_process_port"] = MAIN_PORT
     return cfg
+
+
+def _fsdp2_config(plan: Plan) -> dict:
+    """accelerate 1.15's FSDP2 keys (``FullyShardedDataParallelPlugin`` with ``fsdp_version: 2``,
+    what vramplan.run.fsdp2 prepares and estimator/fsdp2.py models): ``shard_grad_op`` is
+    ``fsdp_reshard_after_forward: false``; FSDP2 has no sharding strategy, backward prefetch or
+    use_orig_params keys. ``fsdp_sync_module_states`` only because ``accelerate launch`` asks for
+    it beside ``fsdp_cpu_ram_efficient_loading`` (utils/launch.py, prepare_multi_gpu_env)."""
+    s = plan.setup
+    return {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": s.fsdp == "full_shard",
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_offload_params": s.offload_params == "cpu",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_sync_module_states": True,
+    }
 
 
 def dumps(plan: Plan, config: dict) -> str:

@@ -46,6 +46,11 @@ _TODO = {
 #: search would otherwise pick savers the framework has no field for: torchtune builds its own
 #: modules, so no Liger and no attention choice, and shards with FSDP, not ZeRO)
 LIMITS = {"torchtune": {"liger": False, "attn": "auto", "zero_stage": 0}}
+# selective checkpointing: no framework writer writes it yet (hf_configs.common_refusal)
+LIMITS = {fmt: {**LIMITS.get(fmt, {}), "checkpoint_every": 1} for fmt in (*FRAMEWORKS, "hf")}
+# the optimizer in backward: torchtune's optimizer_in_bwd; axolotl, LLaMA-Factory, TRL and TrainingArguments
+# have no field for it (hf_configs.common_refusal), so a plan from their files does not turn it on
+LIMITS = {fmt: {**LIMITS[fmt], **({} if fmt == "torchtune" else {"optimizer_in_backward": False})} for fmt in LIMITS}
 
 
 def framework_limits(fmt: str) -> dict:

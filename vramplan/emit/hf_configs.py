@@ -22,7 +22,7 @@ MAPPED = frozenset({"method", "lora_rank", "lora_alpha", "lora_dropout", "lora_t
                     "quant_bits", "quant_group_size", "precision", "optimizer", "checkpointing", "attn", "batch",
                     "seq", "grad_accum", "zero_stage", "offload_optimizer", "offload_params", "gpus", "loss",
                     "pad_mask", "fsdp", "liger", "dora", "modules_to_save", "optimizer_in_backward",
-                    "padding_free"})
+                    "padding_free", "activation_offload", "fsdp_version"})
 
 #: Setup field -> the config keys that carry it, per format (``plan --from FILE --emit`` rewrites
 #: these keys of the user's file for each field the plan changes; a dotted key is nested)
@@ -36,10 +36,11 @@ FIELD_KEYS = {
         "batch": ("micro_batch_size",), "seq": ("sequence_len",), "grad_accum": ("gradient_accumulation_steps",),
         "zero_stage": ("deepspeed",), "offload_optimizer": ("deepspeed",),
         "offload_params": ("deepspeed", "fsdp_config.offload_params"),
-        "fsdp": ("fsdp_version", "fsdp_config"),
+        "fsdp": ("fsdp_version", "fsdp_config"), "fsdp_version": ("fsdp_version", "fsdp_config"),
         "liger": ("plugins", "liger_rope", "liger_rms_norm", "liger_glu_activation",
                   "liger_fused_linear_cross_entropy"),
         "dora": ("peft_use_dora",), "modules_to_save": ("lora_modules_to_save",), "padding_free": ("sample_packing",),
+        "activation_offload": ("activation_offloading",),
     },
     "llamafactory": {
         "method": ("finetuning_type", "quantization_bit"), "quant": ("quantization_bit", "quantization_type"),
@@ -50,6 +51,7 @@ FIELD_KEYS = {
         "grad_accum": ("gradient_accumulation_steps",), "zero_stage": ("deepspeed",),
         "offload_optimizer": ("deepspeed",), "offload_params": ("deepspeed",), "liger": ("enable_liger_kernel",),
         "fsdp": ("fsdp", "fsdp_config"),  # FSDP is the accelerate file's: an inline one is commented out
+        "fsdp_version": ("fsdp", "fsdp_config"),
         "dora": ("use_dora",), "modules_to_save": ("additional_target",),
     },
     "trl": {
@@ -62,9 +64,10 @@ FIELD_KEYS = {
         "batch": ("per_device_train_batch_size",), "seq": ("max_length", "max_seq_length"),
         "grad_accum": ("gradient_accumulation_steps",), "zero_stage": ("deepspeed",),
         "offload_optimizer": ("deepspeed",), "offload_params": ("deepspeed",), "liger": ("use_liger_kernel",),
-        "fsdp": ("fsdp", "fsdp_config"),
+        "fsdp": ("fsdp", "fsdp_config"), "fsdp_version": ("fsdp", "fsdp_config"),
         "dora": ("use_dora",), "modules_to_save": ("lora_modules_to_save",), "padding_free": ("padding_free",
                                                                                               "packing"),
+        "activation_offload": ("activation_offloading",),
     },
 }
 
@@ -93,6 +96,11 @@ def common_refusal(setup: Setup) -> str | None:
         return "pad_mask (a padded attention mask is not a config field vramplan reads)"
     if setup.quant in ("gptq", "awq"):
         return f"quant {setup.quant} (a pre-quantized {setup.quant.upper()} base is not a config field vramplan reads)"
+    if setup.checkpointing and setup.checkpoint_every > 1:  # estimator/selective.py
+        # (torchtune 0.6.1 would need full_finetune_distributed's ac_mode/ac_option, which checkpoint layers
+        # k-1, 2k-1, ... where transformers checkpoints 0, k, ...: readers/torchtune.py)
+        return (f"checkpoint_every {setup.checkpoint_every} (selective checkpointing: the framework writers do not "
+                "write it yet; --format trainer's train.py passes transformers' every_n_layers)")
     return unmapped(setup)
 
 
@@ -111,7 +119,8 @@ def refusal(fmt: str, s: Setup, model: ModelSpec) -> str | None:
         return f"loss trl (TRL's SFTTrainer fused LM head; {fmt} runs its own loss): use --format trl"
     # fmt "hf" (a TrainingArguments file written back, readers/trainer.py read_hf): as trl's fields below
     if s.optimizer_in_backward:
-        return "optimizer_in_backward (the HF Trainer steps the optimizer after backward)"
+        return ("optimizer_in_backward (no field of this config steps the optimizer in backward; vramplan's "
+                "train.py and torchtune's optimizer_in_bwd run it)")
     if s.padding_free and (fmt == "llamafactory" or s.attn != "flash"):
         return ("padding_free" + (" without attn flash (packed rows need flash-attn's varlen kernel)" if fmt !=
                 "llamafactory" else " (LLaMA-Factory's packing is not a field vramplan reads back)"))
@@ -125,9 +134,13 @@ def refusal(fmt: str, s: Setup, model: ModelSpec) -> str | None:
         if s.precision.endswith("-mixed"):
             return (f"precision {s.precision} (axolotl loads the model in its bf16/fp16 dtype: pure 16-bit, "
                     "src/axolotl/utils/config/__init__.py resolve_dtype)")
-        if s.fsdp not in ("none", "full_shard"):
+        if s.fsdp not in ("none", "full_shard") and s.fsdp_version == 1:
             return (f"fsdp {s.fsdp} (axolotl's fsdp_config sets reshard_after_forward only when true; FSDP1 "
                     "then shards fully)")
+    if fmt == "hf" and s.activation_offload:
+        return "activation_offload (TrainingArguments has no such field; TRL's SFTConfig has: use --format trl)"
+    if fmt == "llamafactory" and s.activation_offload:
+        return "activation_offload (LLaMA-Factory has no field for TRL's OffloadActivations)"
     if fmt == "llamafactory":
         if s.adapters and s.precision not in ("bf16", "fp16"):
             return (f"precision {s.precision} with adapters (LLaMA-Factory loads the base in the checkpoint's "
@@ -168,16 +181,21 @@ def axolotl_config(s: Setup, model: ModelSpec, *, model_id: str, nodes: int = 1)
                optimizer=TRAINER_OPTIM[s.optimizer], bf16=s.precision == "bf16", fp16=s.precision == "fp16")
     if s.attn != "auto":
         cfg["attn_implementation"] = _ATTN_IMPL[s.attn]
+    if s.activation_offload:  # true: TRL's OffloadActivations (legacy/disk/hidden_states are axolotl's own)
+        cfg["activation_offloading"] = True
     if s.liger:  # axolotl/integrations/liger: the norm, the gated MLP and the fused loss (RoPE saves nothing)
         cfg.update(plugins=["axolotl.integrations.liger.LigerPlugin"], liger_rope=True, liger_rms_norm=True,
                    liger_glu_activation=True, liger_fused_linear_cross_entropy=True)
     if s.zero_stage:
         cfg["deepspeed"] = DS_CONFIG
     if s.fsdp != "none":
-        cfg["fsdp_version"] = 1  # the FSDP vramplan models (accelerate's FSDP1)
-        cfg["fsdp_config"] = {"reshard_after_forward": True, "offload_params": s.offload_params == "cpu",
+        cfg["fsdp_version"] = s.fsdp_version  # accelerate's FSDP1 (estimator/fsdp.py) or FSDP2 (fsdp2.py)
+        cfg["fsdp_config"] = {"reshard_after_forward": s.fsdp == "full_shard" or s.fsdp_version == 1,
+                              "offload_params": s.offload_params == "cpu",
                               "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "SHARDED_STATE_DICT",
-                              "use_orig_params": True, "cpu_ram_efficient_loading": True, "sync_module_states": True}
+                              "cpu_ram_efficient_loading": True, "sync_module_states": True}
+        if s.fsdp_version == 1:
+            cfg["fsdp_config"]["use_orig_params"] = True
     return cfg
 
 
@@ -239,6 +257,8 @@ def trl_config(s: Setup, model: ModelSpec, *, model_id: str, nodes: int = 1) -> 
     cfg.update(bf16=amp and s.precision.startswith("bf16"), fp16=amp and s.precision.startswith("fp16"))
     if s.liger:  # the Trainer's integrations/liger.py
         cfg["use_liger_kernel"] = True
+    if s.activation_offload:  # SFTConfig.activation_offloading: SFTTrainer.training_step under OffloadActivations
+        cfg["activation_offloading"] = True
     if s.zero_stage:
         cfg["deepspeed"] = DS_CONFIG
     return cfg

@@ -91,6 +91,8 @@ def refusal(s: Setup, model: ModelSpec) -> str | None:
         return why
     if s.liger:
         return "liger (torchtune builds its own modules, not transformers' that Liger patches)"
+    if s.activation_offload:  # readers/torchtune.py: its OffloadActivations is not TRL's
+        return "activation_offload (torchtune's enable_activation_offloading is not TRL's OffloadActivations)"
     if s.padding_free:
         return "padding_free (torchtune's dataset.packed is not a field vramplan reads back)"
     if s.dora:

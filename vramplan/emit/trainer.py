@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
+from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
 from ..specs import ModelSpec, Plan, SpecError
 from .common import MODEL_CONFIG, comment, default_lr, header_lines, launch_commands, plan_model, uses_deepspeed
 
@@ -37,10 +38,11 @@ def script_plan(plan: Plan, model: ModelSpec | None = None) -> dict:
     """The ``PLAN`` mapping train.py reads: the Setup in the words of transformers/peft (LoRA and
     quantization keys only where the plan uses them). ``model``: the plan's ModelSpec, if known."""
     s = plan.setup
-    if s.optimizer_in_backward:
-        raise SpecError("optimizer_in_backward cannot be emitted for the HF Trainer (transformers 5.24 steps "
-                        "per parameter in backward only for its GaLore/APOLLO 'layerwise' optimizers); run it "
-                        "with torchtune (optimizer_in_bwd: True) or plan without it")
+    if s.optimizer_in_backward and s.optimizer not in IN_BACKWARD_OPTIMIZERS:
+        raise SpecError(f"optimizer_in_backward is emitted for the HF Trainer with torch's optimizers only "
+                        f"({', '.join(IN_BACKWARD_OPTIMIZERS)}): one per parameter, as transformers 5.24 builds "
+                        f"its layer-wise ones; {s.optimizer} needs a whole-model optimizer (bitsandbytes' module "
+                        "overrides, Adafactor's factored states): use --optimizer adamw or plan without it")
     data: dict = {"model": _hub_id(plan, model) or "ID_OR_PATH", "method": s.method}
     if s.adapters:
         data.update(lora_r=s.lora_rank, lora_alpha=s.alpha, lora_dropout=s.lora_dropout, lora_targets=s.lora_targets)
@@ -62,12 +64,21 @@ def script_plan(plan: Plan, model: ModelSpec | None = None) -> dict:
         optim=TRAINER_OPTIM[s.optimizer],
         lr=default_lr(s),
         checkpointing=s.checkpointing,
+        # activation_checkpointing_kwargs={"every_n_layers": k}: transformers 5.24 checkpoints layers i % k == 0
+        **({"checkpoint_every": s.checkpoint_every} if s.checkpointing and s.checkpoint_every > 1 else {}),
         attn=s.attn,
         loss=s.loss,
         **({"liger": True} if s.liger else {}),  # Trainer(use_liger_kernel=True)
+        # training_step under TRL's get_act_offloading_ctx_manager, as SFTTrainer (train.py OffloadingTrainer)
+        **({"activation_offload": True} if s.activation_offload else {}),
         **({"padding_free": True} if s.padding_free else {}),  # DataCollatorWithFlattening
+        # one optimizer per parameter stepped by its post-accumulate-grad hook, handed to the Trainer as
+        # transformers 5.24's LayerWiseDummyOptimizer (train.py in_backward_optimizer)
+        **({"optimizer_in_backward": True} if s.optimizer_in_backward else {}),
         # from_pretrained(device_map=...): the layers split over this process's GPUs
         **({"device_map": s.device_map} if s.device_map != "none" else {}),
+        # from_pretrained(distributed_config=DistributedConfig(tp_plan="auto")): each process a 1/tp shard
+        **({"tp": s.tp} if s.tp > 1 else {}),
         batch=s.batch,
         seq=s.seq,
         grad_accum=s.grad_accum,

@@ -133,10 +133,12 @@ def _adapter_bytes_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, .
         # autocast: lora_A and lora_B keep c-byte casts of their (fp32) inputs
         c = autocast_bytes(setup)
         return sum(c * l.in_features + c * setup.lora_rank for l in adapted)
-    if a == compute_bytes(setup) and not mask and (setup.fsdp == "none" or setup.precision == "fp32"):
+    if a == compute_bytes(setup) and not mask and (setup.fsdp == "none" or setup.precision == "fp32"
+                                                   or setup.fsdp_version == 2):
         # (under FSDP's MixedPrecision peft reads the adapter's fp32 sharded parameter, casts the input
         # to fp32, and autocast casts it back to 16 bits for the gathered weight: each adapter keeps
-        # its own copy; fp32 FSDP has no policy and no cast)
+        # its own copy; fp32 FSDP has no policy and no cast; FSDP2's MixedPrecisionPolicy gathers the
+        # adapters in 16 bits and accelerate runs no autocast: peft's cast is a no-op, estimator/fsdp2.py)
         # the cast is a no-op (fp32 activations of a k-bit-prepared base, or 16-bit adapters under
         # DeepSpeed stage 1/2): lora_A keeps the very input the layer computed
         return _shared_linear_inputs(model, setup, adapted, a) + a * setup.lora_rank * len(adapted)

@@ -153,7 +153,11 @@ def _largest_trainable(model: ModelSpec, setup: Setup) -> int:
     """The largest trainable parameter: a LoRA factor (r x in or out x r) under adapters."""
     if not setup.adapters:
         return _largest_param(model)
-    return max((setup.lora_rank * max(l.in_features, l.out_features) for l in adapted_linears(model, setup)), default=0)
+    from .knobs import saved_modules  # peft's modules_to_save copies train too
+
+    copies = [shape[0] * shape[1] for _, shape, _ in saved_modules(model, setup)]
+    return max([setup.lora_rank * max(l.in_features, l.out_features) for l in adapted_linears(model, setup)] + copies,
+               default=0)
 
 
 def _largest_param(model: ModelSpec, setup: Setup | None = None) -> int:
@@ -362,6 +366,11 @@ def zero_phase_peaks(model: ModelSpec, setup: Setup, zm: ZeroMemory, act: StepAc
     # inside the layers the largest gradient is a layer's largest matrix; the embedding's comes last
     layer = max((l.weight_params for l in model.linears if l.role != "head"), default=0) * pb if full else 0
     largest = _largest_param(model) * pb if full else 0
+    if setup.modules_to_save.strip() and not full:  # peft's trained copies (estimator/knobs.py)
+        from .knobs import saved_modules
+
+        copies = {emb: shape[0] * shape[1] * pb for _, shape, emb in saved_modules(model, setup)}
+        head, largest = copies.get(False, 0), max(copies.values())
     grads = 0 if zm.grad_partition_static else zm.grad_partition + zm.buckets
     held = head if model.tie_word_embeddings else 0
     mod = zm.gathered

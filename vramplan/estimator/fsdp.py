@@ -23,7 +23,8 @@ read off the real N-process run of ``vramplan.run.fsdp`` (docs/commands/validate
   the backward (FSDP1 does not reshard the root after the forward); a layer unit is gathered for
   its forward and freed after it (FULL_SHARD, NO_SHARD's low-precision copy) or kept until its
   backward (SHARD_GRAD_OP); the backward gathers the next unit while one runs (BACKWARD_PRE), so
-  two layer units are gathered at once, one already at the start of the backward;
+  two layer units are gathered at once, one already at the start of the backward (not under
+  reentrant checkpointing, transformers 4.x's default: ``fsdp_phase_peaks``);
 - gradients: a unit's parameters' gradients are views of one unsharded flat gradient (16-bit) that
   autograd assembles when the unit's backward ends; it is reduce-scattered, cast to the shard's
   dtype and accumulated into the sharded ``.grad`` the optimizer steps; the root's gradient (the
@@ -56,6 +57,7 @@ from ..units import (
     PRECISION_WEIGHT_DTYPE,
     bnb_4bit_tensor_bytes,
 )
+from .knobs import fsdp_copy_shard_bytes
 from .lora import lora_params
 from .optimizers import linear_and_other_tensors
 
@@ -104,6 +106,10 @@ class FsdpMemory:
     step: int  # the optimizer step's transient on the device
     host: int
     host_terms: tuple[tuple[str, int], ...] = ()
+    version: int = 1  # accelerate fsdp_version (2: estimator/fsdp2.py, whose terms reuse these fields)
+    embed: int = 0  # FSDP2: an untied embedding's gathered group (its forward, and the end of the backward)
+    ag_last: int = 0  # FSDP2: the flat all-gather buffer of the group gathered last in the forward
+    first_grad: int = 0  # FSDP2: the widest unsharded gradient of a layer (the first one its backward makes)
 
     @property
     def static(self) -> int:
@@ -217,6 +223,11 @@ def fsdp_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
         states = int(_STATE_FIXED[setup.optimizer] * trainable_shard)
     grad_shards = tb * trainable_shard
     step = tb * trainable_shard if setup.optimizer == "adamw" else 0  # foreach: one state-sized list
+    if setup.modules_to_save.strip() and not full:  # peft's trained copies: units of their own (estimator/knobs.py)
+        copy = fsdp_copy_shard_bytes(model, setup, n)
+        shards, grad_shards = shards + copy, grad_shards + copy
+        states += int(_STATE_PER_ELEMENT[setup.optimizer] * copy)
+        step += copy if setup.optimizer == "adamw" else 0
     # unsharded copies: with NO_SHARD and no cast the flat parameter itself is used
     copies = not (n == 1 and not mixed and full) and not (n == 1 and not full)
     root = cb * root_p if copies else 0
@@ -236,6 +247,8 @@ def fsdp_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
     # its unsharded gradient (the compute dtype) on the device until the last one reduce-scatters
     trainable_all = model.params_total if full else lora_params(model, setup)
     accum_grads = (2 if mixed else tb) * trainable_all if setup.grad_accum > 1 else 0
+    if setup.modules_to_save.strip() and not full and setup.grad_accum > 1:  # the copies' unsharded gradients
+        accum_grads += fsdp_copy_shard_bytes(model, setup, 1) // (2 if mixed else 1)
     host_terms: tuple[tuple[str, int], ...] = ()
     host = 0
     if setup.offload_params == "cpu":
@@ -249,27 +262,43 @@ def fsdp_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
                       host_terms=tuple((k, v) for k, v in host_terms if v))
 
 
-def fsdp_phase_peaks(model: ModelSpec, setup: Setup, fm: FsdpMemory, act) -> dict[str, int]:
+def fsdp_phase_peaks(model: ModelSpec, setup: Setup, fm: FsdpMemory, act, reentrant: bool = False) -> dict[str, int]:
     """Per-rank device peak of each phase under FSDP (``act``: the single-GPU activation moments,
     ``vramplan.estimator.distributed.StepActivations``; FSDP runs the model's own forward and
-    backward on the gathered parameters)."""
+    backward on the gathered parameters). ``reentrant``: reentrant checkpointing of every layer
+    (transformers 4.x's default, estimator/stack.py), which changes two things (torch
+    distributed/fsdp/_runtime_utils.py and autograd/graph.py, read in 2.13; the published 2.4.1
+    rows show both, calibration/published/README.md):
+    - no prefetch: each layer's first forward runs under ``no_grad``, so
+      ``_register_pre_backward_hooks`` returns before it sets the unit's
+      ``_needs_pre_backward_unshard``, which ``_get_handle_to_prefetch`` requires: BACKWARD_PRE
+      gathers no next layer, one layer unit is gathered at a time;
+    - a frozen layer unit (LoRA/QLoRA) gets ``_register_post_backward_reshard_only_hook`` in the
+      recomputed forward: ``register_multi_grad_hook`` on the layer's input, there the checkpoint's
+      detached leaf, whose closure holds the leaf's AccumulateGrad and so the leaf (its storage is
+      the checkpointed input) and its ``.grad`` until ``_finalize_params`` removes the handle at the
+      end of the backward: at layer k's backward 2 (L - 1 - k) - 1 layer inputs more than one
+      process holds (2-rank CPU truth: +2,048 B per token per layer at hidden 1024, bf16)."""
     L = max(model.num_layers, 1)
     accum = fm.accum_grads
     base = fm.static + fm.root + accum
     layers_fwd = L * fm.layer if fm.keep_layers else 0
     forward = base + layers_fwd + act.at_loss
-    held = L * fm.layer if fm.keep_layers else fm.layer  # SHARD_GRAD_OP: all; else the prefetched one
+    prefetch = not reentrant
+    # reentrant + frozen layer units: the layer inputs and their gradients kept to the end (act.end: one input)
+    leak = act.end if reentrant and setup.method != "full" and setup.checkpoint_every == 1 and L > 1 else 0
+    held = L * fm.layer if fm.keep_layers else fm.layer * prefetch  # SHARD_GRAD_OP: all; else the prefetched one
     start = base + held + act.backward_start
     # inside the top layer: it and the prefetched next one gathered, the head's gradient held (its
     # parameters' gradients appear as its activations and transients go)
-    two = L * fm.layer if fm.keep_layers else 2 * fm.layer
+    two = L * fm.layer if fm.keep_layers else (1 + prefetch) * fm.layer
     top = base + two + fm.head_grad + act.top_layer
     # the bottom layer: the other layers' gradient shards are in; at its end its parameters'
     # gradients and the flat gradient they are assembled into coexist
     done = fm.layer_grad_shard * (L - 1) if not accum else 0
     bottom = base + fm.layer + fm.head_grad + done + max(fm.layer_grad + act.bottom_layer,
-                                                          2 * fm.layer_grad + act.end)
-    end = base + (fm.grad_shards if not accum else 0) + 2 * fm.root_grad + act.end
+                                                          2 * fm.layer_grad + act.end) + (2 * L - 3) * leak
+    end = base + (fm.grad_shards if not accum else 0) + 2 * fm.root_grad + act.end + (2 * L - 1) * leak
     backward = max(start, top, bottom, end)
     optimizer = fm.static + fm.grad_shards + fm.step
     return {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}

@@ -43,7 +43,7 @@ from .model_states import head_params, weight_dtype_bytes
 from .precision import compute_bytes
 
 __all__ = ["KnobStates", "dora_backward_transient", "dora_forward_transient", "dora_saved_per_token",
-           "in_backward_gradient", "knob_states", "saved_modules"]
+           "fsdp_copy_shard_bytes", "IN_BACKWARD_OPTIMIZERS", "in_backward_gradient", "knob_states", "saved_modules"]
 
 EMBEDDING_NAMES = ("embed_tokens",)
 HEAD_NAMES = ("lm_head",)
@@ -95,6 +95,17 @@ def trained_modules_note(setup: Setup) -> str:
     parts = [f"copies of {setup.modules_to_save.strip()} ({'fp32' if _copy_bytes(setup) == 4 else '16-bit'})"]
     parts = (parts if setup.modules_to_save.strip() else []) + (["DoRA magnitudes (fp32)"] if setup.dora else [])
     return "trained in full: " + ", ".join(parts)
+
+
+def fsdp_copy_shard_bytes(model: ModelSpec, setup: Setup, ranks: int) -> int:
+    """One rank's shard of the modules_to_save copies under FSDP1 (bytes). peft 0.21's
+    ``fsdp_auto_wrap_policy`` (utils/other.py, which the HF Trainer's ``update_fsdp_plugin_peft``
+    installs; its ``lambda_policy_fn``: a leaf module with a trainable weight) makes each copy a unit,
+    flattened and sharded in its dtype (fp32 under MixedPrecision: accelerate upcasts trainable
+    parameters), so its gradient and optimizer states follow it; checked on 2 ranks
+    (vramplan.run.fsdp, validate --knob modules_to_save)."""
+    b = 4 if setup.precision.endswith("-mixed") else _copy_bytes(setup)
+    return sum(b * -(-(shape[0] * shape[1]) // ranks) for _, shape, _ in saved_modules(model, setup))
 
 
 def _copy_bytes(setup: Setup) -> int:
@@ -205,6 +216,11 @@ def dora_backward_transient(model: ModelSpec, setup: Setup) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # the optimizer in backward
+
+
+#: The optimizers a plan may step in backward (search/space.py) and train.py builds one per parameter with
+#: transformers' own factory (emit/trainer.py): torch's, whose per-tensor step this module prices.
+IN_BACKWARD_OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
 
 
 def in_backward_gradient(model: ModelSpec, setup: Setup, in_layers: bool = False) -> int:

@@ -1,4 +1,5 @@
-"""Preference and RL objectives as TRL 1.16 runs them: DPO (DPOTrainer) and GRPO (GRPOTrainer).
+"""Preference and RL objectives as TRL 1.16 runs them: DPO (DPOTrainer), KTO (KTOTrainer), GRPO
+(GRPOTrainer), and ORPO (ORPOTrainer, whose loss is in estimator/objectives_pref.py).
 
 What the SFT step of estimator/step.py becomes under each objective (read off trl 1.16.0), and the
 SFT step's own loss under ``--loss trl`` (SFTTrainer: the fused head below, :func:`check_trl_sft`):
@@ -15,8 +16,20 @@ SFT step's own loss under ``--loss trl`` (SFTTrainer: the fused head below, :fun
 - DPO (``DPOTrainer._compute_loss``): chosen and rejected rows concatenated in one batch (2 x
   ``per_device_train_batch_size`` rows of at most ``max_length``), the policy forward, then the
   reference forward under ``torch.no_grad`` while the policy's activations are alive: a frozen copy
-  (its weights for the whole run), peft's adapter-disabled base (``use_adapter``: no weights), or
-  ``precompute_ref_log_probs`` (nothing at train time).
+  (its weights for the whole run), the adapter (handed a PeftModel, TRL adds a frozen "ref" copy of
+  its adapter and runs it with ``use_adapter("ref")``: :func:`reference_adapter_bytes`), or
+  ``precompute_ref_log_probs`` (nothing at train time but that "ref" adapter with LoRA).
+- KTO (``trl/trainer/kto_trainer.py`` ``KTOTrainer._compute_loss``, promoted out of experimental):
+  ``per_device_train_batch_size`` unpaired rows of at most ``max_length`` (no ``max_prompt_length``),
+  desirable or not by their ``label``, and the KL batch (``loss_type="kto"``: the completions rotated
+  by one row within the micro-batch, ``add_kl_completion_ids``): first the KL rows through the
+  policy under ``torch.no_grad`` (``_compute_kl_logps``: the ``kl`` phase, nothing of the policy's
+  forward alive yet), the policy forward, then the reference's KL and main forwards under no_grad
+  while the policy's activations are alive (a frozen copy, peft's adapter-disabled base, or
+  ``precompute_ref_log_probs``: both reference forwards precomputed; the policy's KL one stays).
+  TRL refuses a micro-batch of one row with the KL term.
+- ORPO (``trl/experimental/orpo/orpo_trainer.py``): chosen and rejected rows in one forward, no
+  reference, the model's own logits: estimator/objectives_pref.py.
 - GRPO (``GRPOTrainer._generate_and_score_completions`` / ``_compute_loss``): HF ``generate`` over the
   process's generation batch (``per_device_train_batch_size x steps_per_generation``, which defaults
   to ``gradient_accumulation_steps``) with a DynamicCache, then (``beta != 0``; the 1.16 default is
@@ -37,8 +50,10 @@ from dataclasses import dataclass, replace
 from ..errors import SpecError
 from ..specs import PHASES, Component, GpuSpec, ModelSpec, Setup
 from .activations import global_bytes_per_token
+from .lora import adapted_linears
 from .model_states import weights_bytes
-from .precision import compute_bytes
+from .objectives_pref import orpo_loss_transients, orpo_notes, orpo_rows
+from .precision import adapter_dtype_bytes, compute_bytes
 from .stack import DEFAULT_STACK, Stack
 from .transients import lora_forward_peak_per_token
 
@@ -50,13 +65,11 @@ HEAD_VOCAB_CHUNK = 32768
 #: GRPOConfig.max_completion_length's default (used when neither length is given)
 GRPO_DEFAULT_COMPLETION = 512
 #: the phases an objective adds to forward/backward/optimizer, in step order
-OBJECTIVE_PHASES = {"dpo": ("reference",), "grpo": ("generation", "reference")}
-#: objectives modelled; the others are refused with this line
-NOT_MODELLED_OBJECTIVES = {
-    "orpo": "ORPO is not modelled yet (TRL 1.16 ORPOTrainer: chosen+rejected rows and no reference, the rows of "
-            "--objective dpo --ref-model precomputed)",
-    "kto": "KTO is not modelled yet (TRL 1.16 KTOTrainer: unpaired rows plus a KL batch through the reference)",
-}
+OBJECTIVE_PHASES = {"dpo": ("reference",), "kto": ("kl", "reference"), "orpo": (), "grpo": ("generation", "reference")}
+#: the trainer of each objective (notes)
+TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer"}
+#: objectives not modelled, refused with their line (all of OBJECTIVES are modelled in TRL 1.16)
+NOT_MODELLED_OBJECTIVES: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -82,9 +95,13 @@ def lengths(setup: Setup, stack: Stack = DEFAULT_STACK) -> Lengths:
     P, C = setup.max_prompt_length, setup.max_completion_length
     if setup.objective == "sft":  # loss trl: SFTTrainer scores every next-token label (labels = input_ids)
         return Lengths(setup.batch, setup.seq, 0, setup.seq - 1, setup.batch * (setup.seq - 1))
-    if setup.objective == "dpo":
+    if setup.objective == "orpo":  # the model's logits over every position (estimator/objectives_pref.py)
+        rows, row_len = orpo_rows(setup)
+        completion = min(max(C if C else (row_len - P if P else row_len - 1), 1), row_len - 1)
+        return Lengths(rows, row_len, row_len - completion, completion, rows * (row_len - 1))
+    if setup.objective in ("dpo", "kto"):  # KTO: batch unpaired rows (and as many KL rows)
         row_len = min(setup.seq, P + C) if P and C else setup.seq
-        rows = 2 * setup.batch
+        rows = 2 * setup.batch if setup.objective == "dpo" else setup.batch
         # compact (Triton): the completion positions are scored; a 0 length reads as the upper bound
         completion = C if C else (row_len - P if P else row_len - 1)
         completion = min(max(completion, 1), row_len - 1)
@@ -113,7 +130,15 @@ def check_objective(model: ModelSpec, setup: Setup, gpu: GpuSpec | None) -> None
     if setup.liger:
         raise SpecError(f"{flag} with Liger kernels is not modelled yet (TRL patches its own fused head)")
     if setup.loss not in ("hf", "trl"):
-        raise SpecError(f"{flag} scores tokens with TRL's fused log-prob head: --loss chunked applies to SFT")
+        head = "the model's logits" if o == "orpo" else "TRL's fused log-prob head"
+        raise SpecError(f"{flag} scores tokens with {head}: --loss chunked applies to SFT")
+    if o == "orpo" and setup.ref_model not in ("auto", "none"):
+        raise SpecError("ORPO has no reference model (ORPOTrainer): ref_model auto or none")
+    if o == "kto" and setup.ref_model == "none":
+        raise SpecError("KTO needs a reference model: ref_model auto, copy, adapter or precomputed")
+    if o == "kto" and setup.batch < 2:
+        raise SpecError("--objective kto needs --batch 2 or more: TRL's KTOTrainer refuses a one-row micro-batch "
+                        "with its KL term (per_device_train_batch_size > 1)")
     if setup.quant in ("gptq", "awq"):
         raise SpecError(f"{flag} on a GPTQ/AWQ base is not modelled yet")
     if setup.precision.endswith("-mixed"):
@@ -131,7 +156,7 @@ def reference(setup: Setup) -> str:
     (peft's adapter-disabled base with adapters, a frozen copy otherwise); GRPO's default beta=0: none."""
     if setup.ref_model != "auto":
         return setup.ref_model
-    if setup.objective == "grpo":
+    if setup.objective in ("grpo", "orpo"):
         return "none"
     return "adapter" if setup.adapters else "copy"
 
@@ -189,6 +214,8 @@ def loss_transients(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK
     """(forward, backward, saved) for the policy's micro-step: ``setup`` is the user's Setup."""
     lens = lengths(setup, stack)
     pol = policy_setup(setup, stack)
+    if setup.objective == "orpo":
+        return orpo_loss_transients(model, pol, lens.rows, lens.row_len, stack)
     fwd, bwd = head_terms(model, pol, lens.scored, grad=True, stack=stack)
     # the head's inputs: TRL's int64 labels of every row, and the copy of the head input the head
     # saves (Triton: ``hidden_states[mask]``, the scored positions; else the reshape of the shifted slice)
@@ -236,7 +263,9 @@ def nograd_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> int:
 
 def adapted_nograd_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> int:
     """As :func:`nograd_layer_bytes` with the adapters on (generation): the widest LoRA projection's
-    fp32 branch beside its base output (estimator/transients.py ``lora_forward_peak_per_token``)."""
+    fp32 branch beside its base output (estimator/transients.py ``lora_forward_peak_per_token``).
+    GRPO's generation phase against TRL's CPU run: +8 % (LoRA; never the peak there); the reference
+    forwards use :func:`reference_layer_bytes`, read off the traced no-grad forward."""
     plain = nograd_layer_bytes(model, setup, tokens)
     if not setup.adapters:
         return plain
@@ -244,17 +273,37 @@ def adapted_nograd_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> i
     return int(max(plain, lora * tokens + compute_bytes(setup) * tokens * model.hidden_size))
 
 
+def reference_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> int:
+    """As :func:`nograd_layer_bytes` with the adapters on (DPO/KTO's "ref" adapter, KTO's KL rows
+    through the policy): at an adapted MLP input projection (out = intermediate) peft's
+    ``result + lora_B(lora_A(x)) * scaling`` holds the base output (c) and lora_B's output and its
+    scaled copy (adapter dtype, 2 a) beside the gate's activation (gated MLPs, c), the layer's input,
+    the residual and the normed input (3 c h) and the copy of that input peft casts to the adapter
+    dtype (``_cast_input_dtype``, a h); under no_grad nothing else of the layer is kept (read off the
+    traced DPO/KTO reference and KL forwards, 2-layer Qwen2.5-7B at 16k tokens: within 0.1 %)."""
+    plain = nograd_layer_bytes(model, setup, tokens)
+    c, a, h, i = compute_bytes(setup), adapter_dtype_bytes(setup), model.hidden_size, model.intermediate_size
+    if not any(l.role != "attn" and l.out_features == i for l in adapted_linears(model, setup)):
+        return plain
+    gate = c * i if model.mlp_kind == "gated" else 0
+    cast = a * h if a != c else 0  # peft casts the projection's input to the adapter dtype (_cast_input_dtype)
+    return int(max(plain, tokens * (gate + c * i + 2 * a * i + 3 * c * h + cast)))
+
+
 def kv_cache_bytes(model: ModelSpec, setup: Setup, rows: int, tokens: int) -> int:
     """transformers' DynamicCache: keys and values of every layer, (rows, kv heads, tokens, head dim)."""
     return 2 * model.num_layers * rows * model.num_kv_heads * tokens * model.head_dim * compute_bytes(setup)
 
 
-def reference_forward_bytes(model: ModelSpec, pol: Setup, lens: Lengths, stack: Stack = DEFAULT_STACK) -> int:
+def reference_forward_bytes(model: ModelSpec, pol: Setup, lens: Lengths, stack: Stack = DEFAULT_STACK,
+                            adapted: bool = False) -> int:
     """The reference's no-grad forward over one micro-batch, beyond what was alive before it: one
-    layer's transient beside its input, then the fused head (no gradient) beside the head input."""
+    layer's transient beside its input (``adapted``: with LoRA adapters active, the policy's own or
+    TRL's "ref" copy of them), then the fused head (no gradient) beside the head input."""
     c, h, tokens = compute_bytes(pol), model.hidden_size, lens.rows * lens.row_len
     head, _ = head_terms(model, pol, lens.scored, grad=False, stack=stack)
-    return int(max(nograd_layer_bytes(model, pol, tokens) + c * tokens * h, head + c * lens.scored * h))
+    layer = reference_layer_bytes(model, pol, tokens) if adapted else nograd_layer_bytes(model, pol, tokens)
+    return int(max(layer + c * tokens * h, head + c * lens.scored * h))
 
 
 @dataclass(frozen=True)
@@ -268,27 +317,43 @@ class ObjectiveMemory:
 
 
 def objective_memory(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, resting: int, after_forward: int,
-                     stack: Stack = DEFAULT_STACK) -> ObjectiveMemory:
+                     stack: Stack = DEFAULT_STACK, adapters: int = 0, accum_grads: int = 0) -> ObjectiveMemory:
     """The reference and generation phases. ``resting``: the model states alive between steps
     (weights, adapters, optimizer states); ``after_forward``: the policy's peak-free live bytes at the
-    end of its forward (resting states plus saved activations)."""
+    end of its forward (resting states plus saved activations); ``adapters``: the policy's adapter
+    bytes (DPO/KTO's "ref" adapter copies them, :func:`reference_adapter_bytes`); ``accum_grads``: the
+    gradients kept across micro-batches (grad_accum > 1), alive in DPO/KTO's phases from the second
+    micro-batch on (GRPO generates and scores before the first: none)."""
     lens = lengths(setup, stack)
     pol = policy_setup(setup, stack)
     ref = reference(setup)
     c, h = compute_bytes(pol), model.hidden_size
+    if setup.objective in ("dpo", "kto"):
+        resting, after_forward = resting + accum_grads, after_forward + accum_grads
     ref_w = weights_bytes(model, setup) if ref == "copy" else 0  # the base as loaded (quantized or not)
-    trainer = "DPOTrainer" if setup.objective == "dpo" else "GRPOTrainer"
-    notes = [f"objective {setup.objective}: TRL {TRL_VERSION} ({trainer}), "
-             f"{lens.rows} rows x {lens.row_len} tokens per micro-batch, reference: {ref}; plan's speed counts the "
-             "SFT step of batch x seq tokens (no reference forward or generation)"]
+    ref_w += reference_adapter_bytes(setup, adapters)
+    speed = "speed: the policy's rows, the reference forward and GRPO's generation (vramplan/cost_objectives.py)"
+    if setup.objective == "orpo":
+        return ObjectiveMemory(0, {}, (), (*orpo_notes(setup, lens.rows, lens.row_len), speed))
+    notes = [f"objective {setup.objective}: TRL {TRL_VERSION} ({TRAINERS[setup.objective]}), "
+             f"{lens.rows} rows x {lens.row_len} tokens per micro-batch, reference: {ref}; {speed}"]
     comps: list[Component] = []
     phases: dict[str, int] = {}
-    if ref_w:
+    if ref == "copy":
         comps.append(Component("reference_weights", ref_w, phases_of(setup),
                                note="frozen copy of the base (TRL ref_model)"))
-    if setup.objective == "dpo":
+    elif ref_w:
+        comps.append(Component("reference_adapter", ref_w, phases_of(setup),
+                               note=f"TRL's frozen 'ref' copy of the LoRA adapter "
+                                    f"({TRAINERS[setup.objective]}.__init__ add_adapter on a PeftModel)"))
+    if setup.objective == "kto":  # the KL rows through the policy before its forward
+        kl_fwd = reference_forward_bytes(model, pol, lens, stack, adapted=bool(setup.adapters))
+        phases["kl"] = int(resting + ref_w + kl_fwd)
+        comps.append(Component("kl_forward", int(kl_fwd), ("kl",),
+                               note="no-grad forward of the KL rows through the policy (KTOTrainer._compute_kl_logps)"))
+    if setup.objective in ("dpo", "kto"):
         if ref != "precomputed":
-            ref_fwd = reference_forward_bytes(model, pol, lens, stack)
+            ref_fwd = reference_forward_bytes(model, pol, lens, stack, adapted=ref == "adapter")
             phases["reference"] = int(after_forward + ref_w + ref_fwd + 4 * lens.scored)
             comps.append(Component("reference_forward", int(ref_fwd), ("reference",),
                                    note="no-grad forward: one layer's activations, then the fused head"))
@@ -328,6 +393,21 @@ def objective_memory(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, restin
     return ObjectiveMemory(ref_w, phases, tuple(comps), tuple(notes))
 
 
+def reference_adapter_bytes(setup: Setup, adapters: int) -> int:
+    """DPO/KTO with peft's adapter as the reference: TRL 1.16 ``DPOTrainer.__init__`` /
+    ``KTOTrainer.__init__``, handed a PeftModel and no ref_model, ``add_adapter("ref", ...)`` and copy
+    the policy's adapter into it (the reference forward runs it with ``use_adapter("ref")``): one
+    frozen copy of the adapter bytes, whether or not the reference log-probs are precomputed (the
+    ``__init__`` branch does not look at ``precompute_ref_log_probs``). (Given ``peft_config``
+    instead, TRL wraps the model itself and adds no copy: the base with adapters disabled; vramplan's
+    train.py and truths hand a PeftModel.)"""
+    if setup.objective not in ("dpo", "kto") or not setup.adapters:
+        return 0
+    if reference(setup) not in ("adapter", "precomputed"):
+        return 0
+    return adapters
+
+
 def phases_of(setup: Setup) -> tuple[str, ...]:
     """The phases of a step of ``setup``'s objective, in step order (SFT: PHASES)."""
     extra = OBJECTIVE_PHASES.get(setup.objective, ())
@@ -345,7 +425,7 @@ def with_objective_phases(setup: Setup, comps: tuple[Component, ...]) -> tuple[C
         return comps
     out = []
     for c in comps:
-        if set(c.phases) >= set(PHASES) or (setup.objective == "dpo" and "forward" in c.phases):
+        if set(c.phases) >= set(PHASES) or (setup.objective in ("dpo", "kto") and "forward" in c.phases):
             add = extra if set(c.phases) >= set(PHASES) else ("reference",)
             c = replace(c, phases=(*(p for p in add if p not in c.phases), *c.phases))
         out.append(c)

@@ -61,6 +61,16 @@ class Stack:
         that ``replace_with_bnb_linear`` skips."""
         return _version(self.transformers)[:1] < (5,)
 
+    @property
+    def reentrant_checkpointing(self) -> bool:
+        """The HF Trainer's ``gradient_checkpointing=True`` with no kwargs: transformers 4.x
+        ``PreTrainedModel.gradient_checkpointing_enable`` passes ``{"use_reentrant": True}`` (read
+        off the 4.48.1 wheel, modeling_utils.py), transformers 5 ``_activation_checkpointing_enable``
+        ``{"use_reentrant": False}`` (5.24). Reentrant checkpointing runs each layer's first forward
+        under ``no_grad``, which moves FSDP1's backward prefetch (estimator/fsdp.py
+        ``fsdp_phase_peaks``)."""
+        return _version(self.transformers)[:1] < (5,)
+
     def describe(self) -> str:
         libs = dict(MODELLED_VERSIONS, transformers=self.transformers)
         return ", ".join(f"{k} {v}" for k, v in libs.items())
@@ -112,7 +122,11 @@ def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
     itself and the boundaries it applies; a quantized MoE base states the other major version's
     weights (the cheap half of the transformers 4/5 difference: routing temporaries differ too)."""
     notes = []
-    applied = [what for flag, what in ((stack.loss_shift_copy, "the loss's shifted fp32 logits copy"),)
+    fsdp1_reentrant = (stack.reentrant_checkpointing and setup.checkpointing and setup.fsdp != "none"
+                       and setup.fsdp_version == 1)
+    applied = [what for flag, what in ((stack.loss_shift_copy, "the loss's shifted fp32 logits copy"),
+                                       (fsdp1_reentrant, "reentrant checkpointing: FSDP1 prefetches no layer "
+                                                         "unit in the backward"))
                if flag]
     if not stack.is_default:
         notes.append(f"models {stack.describe()}" + (f" (applied: {', '.join(applied)})" if applied else ""))

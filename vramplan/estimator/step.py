@@ -17,13 +17,14 @@ from ..bands import DEFAULT_ERROR_BANDS
 from ..setup_checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..units import PRECISION_WEIGHT_DTYPE
+from . import act_offload, eval_step, knobs, objectives, selective, tensor_parallel, transients, vllm_share
 from . import activations as act
-from . import eval_step, knobs, objectives, transients
 from . import layer_split_memory as split_memory
 from . import optimizers as opt_rules
 from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
 from .distributed import StepActivations, ZeroMemory, zero_memory, zero_phase_peaks
-from .fsdp import FsdpMemory, ddp_bucket_bytes, fsdp_memory, fsdp_phase_peaks, is_ddp
+from .fsdp import FsdpMemory, ddp_bucket_bytes, is_ddp
+from .fsdp2 import sharded_memory, sharded_phase_peaks
 from .model_states import (
     GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT,
     adapter_bytes,
@@ -48,17 +49,22 @@ def estimate(
     gpu: GpuSpec | None = None,
     corrections: Corrections = DEFAULT_CORRECTIONS,
     stack: Stack = DEFAULT_STACK,
+    *,
+    loss_model: ModelSpec | None = None,
 ) -> Breakdown:
     """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU), as the
-    libraries of ``stack`` run it (estimator/stack.py: transformers 5 unless told)."""
+    libraries of ``stack`` run it (estimator/stack.py: transformers 5 unless told). ``loss_model``:
+    the model whose vocabulary the loss sees, when ``model`` is one rank's shard of it."""
+    if setup.tp > 1:  # one tensor-parallel rank: its shards, the gathered loss (estimator/tensor_parallel.py)
+        return tensor_parallel.rank_estimate(model, setup, gpu, corrections, stack, estimate)
     single = _model_states(model, setup)
     notes = check(model, setup, gpu)  # raises SpecError for a setup peft would refuse
     notes += stack_notes(model, setup, stack)
     cast = _autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)
     pset = setup if setup.objective == "sft" else objectives.policy_setup(setup, stack)  # DPO/GRPO rows
-    acts = _activations(model, pset, stack, setup)
-    phase_peaks, recompute = _phase_peaks(model, pset, states, cast, acts)
+    acts = _activations(model, pset, stack, setup, loss_model or model)
+    phase_peaks, recompute = _phase_peaks(model, pset, states, cast, acts, stack)
     split = None
     if setup.device_map != "none":  # a layer split: the fullest GPU's terms (estimator/layer_split_memory.py)
         ends = (_layer_backward(model, pset, acts, model.num_layers - 1)[0], *_layer_backward(model, pset, acts, 0))
@@ -81,14 +87,15 @@ def estimate(
     notes += eval_step.eval_fit_note(  # --eval-batch: the eval batch that fits
         model, setup, gpu, phase_peaks, ev_rest, states.cast_cache,
         lambda t: device_overheads(t, 1 if split else setup.gpus, gpu, corrections)[2] + paged)
-    notes += objectives.vllm_room_note(setup, gpu, device_total + paged)
+    notes += objectives.vllm_room_note(setup, gpu, device_total + paged) + vllm_share.share_notes(model, setup, gpu)
     device_total += paged + objectives.vllm_share_bytes(setup, gpu)  # vLLM colocated: its share of the card
     return Breakdown(
         model=model.name,
         setup=setup,
         tier="analytic",
         components=eval_step.with_eval_phase(setup, objectives.with_objective_phases(
-            setup, _components(pset, states, acts, recompute, paged, overheads)) + extra.components) + ev_comps,
+            setup, _components(pset, states, acts, recompute, paged, overheads)) + extra.components) + ev_comps
+        + act_offload.components(model, setup),
         phase_peaks_bytes=phase_peaks,
         phase=phase,
         tensor_peak_bytes=int(tensor_peak),
@@ -97,7 +104,7 @@ def estimate(
         device_total_bytes=int(device_total),
         params_total=model.params_total,
         params_trainable=trainable_params(model, setup) + knobs.knob_states(model, setup).params,
-        host_bytes=int(states.host),
+        host_bytes=int(states.host + act_offload.host_bytes(model, setup)),
         gpu=gpu,
         notes=tuple(notes),
         error_band=corrections.bands or DEFAULT_ERROR_BANDS,  # the documented default when uncalibrated
@@ -167,7 +174,14 @@ def _autocast_cache(model: ModelSpec, setup: Setup) -> AutocastCache:
             cast_head += model.vocab_size * model.hidden_size * 2
         if setup.liger:  # the fused linear cross-entropy casts the head in its forward only (estimator/liger.py)
             cast_cache, cast_head = cast_cache - cast_head, 0
-    return AutocastCache(cast_cache, cast_head, (cast_cache - cast_head) / max(model.num_layers, 1))
+    layer = (cast_cache - cast_head) / max(model.num_layers, 1)
+    if setup.adapters and selective.selective(setup):
+        # autocast caches only leaf tensors that require grad (torch 2.13 autocast_mode.cpp,
+        # cached_cast): a frozen base weight's half copy lives as its matmul's saved tensor, which a
+        # checkpointed layer drops; only the layers kept in full hold theirs to backward
+        kept_layers = model.num_layers - selective.checkpointed_count(setup, model.num_layers)
+        cast_cache = int(cast_head + layer * kept_layers)
+    return AutocastCache(cast_cache, cast_head, layer)
 
 
 def _per_rank_states(model: ModelSpec, setup: Setup, single: ModelStates, cast: AutocastCache) -> ModelStates:
@@ -176,13 +190,14 @@ def _per_rank_states(model: ModelSpec, setup: Setup, single: ModelStates, cast: 
     Under ZeRO and FSDP the weights are cast once, at load, not by autocast."""
     states = dataclasses.replace(single, cast_cache=cast.total)
     if setup.zero_stage:
-        zm = zero_memory(model, setup, trainable_params(model, setup))
+        # peft's modules_to_save copies train beside the adapters: in DeepSpeed's flat groups alike
+        zm = zero_memory(model, setup, trainable_params(model, setup) + knobs.knob_states(model, setup).params)
         states = dataclasses.replace(
             states, zero=zm, weights=zm.weights, adapters=0, cast_cache=0, gradients=zm.grad_partition,
             optimizer_states=zm.master + zm.states, optimizer_step=zm.step, host=zm.host,
             buffers=zm.buckets + zm.staging)
     if setup.fsdp != "none":
-        fm = fsdp_memory(model, setup)
+        fm = sharded_memory(model, setup)  # FSDP1 or FSDP2 (setup.fsdp_version)
         return dataclasses.replace(
             states, fsdp=fm, weights=fm.shards, adapters=0, cast_cache=0, gradients=fm.grad_shards,
             optimizer_states=fm.states, optimizer_step=fm.step, host=fm.host, fsdp_gathered=fm.root + fm.layer)
@@ -215,10 +230,11 @@ class StepActivationTerms:
     dequantization: int  # a quantized Linear's backward dequantization
     dequantization_forward: int  # one Linear dequantized in the forward (GPTQ; AWQ over 1024 rows)
     dora_norm: int = 0  # DoRA: the widest adapted Linear's weight-norm temporaries (estimator/knobs.py)
+    checkpointed_inputs: int = 0  # of ``layers``: the checkpointed layers' inputs
 
 
 def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
-                 user: Setup | None = None) -> StepActivationTerms:
+                 user: Setup | None = None, loss_model: ModelSpec | None = None) -> StepActivationTerms:
     """Per layer (token-sized, plus weight-sized for peft's merged MoE experts), outside the layers,
     the loss, and the dequantization transients. ``user``: the Setup of a DPO/GRPO run whose policy
     step ``setup`` is (its loss is TRL's fused head: estimator/objectives.py)."""
@@ -228,14 +244,17 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
     merged_total = act.moe_lora_weight_bytes(model, aset)
     merged_layer = merged_total / model.moe.num_moe_layers if merged_total else 0
     kept_tok = act.checkpoint_bytes_per_token(model, aset) * N if setup.checkpointing else layer_tok
+    # selective checkpointing (estimator/selective.py): L_ck layers keep their input, the rest all
+    L_ck = selective.checkpointed_count(setup, L)
     # GPTQ: every quantized Linear saves its dequantized 16-bit weight (a checkpointed layer's
     # only while it is recomputed)
     D_layer = gptq_saved_weights_bytes_per_layer(model, setup)
     A_deq = 0 if setup.checkpointing else int(L * D_layer)
-    A_layers = int(L * kept_tok + (0 if setup.checkpointing else merged_total + knobs.dora_saved_fixed(model, aset)))
+    A_layers = int(L_ck * kept_tok + (L - L_ck) * layer_tok
+                   + (0 if setup.checkpointing else merged_total + knobs.dora_saved_fixed(model, aset)))
     A_layers += A_deq
-    A_glob = int(act.global_bytes_per_token(model, aset) * N)
-    logits_fwd, logits_bwd = transients.loss_transients(model, aset, stack)
+    A_glob = int(act.global_bytes_per_token(loss_model or model, aset) * N)
+    logits_fwd, logits_bwd = transients.loss_transients(loss_model or model, aset, stack)
     if user is not None and (user.objective != "sft" or user.loss == "trl"):  # TRL's fused head (objectives.py)
         logits_fwd, logits_bwd, A_glob = objectives.loss_transients(model, user, stack)
     T_attn = transients.attention_backward_transient_per_token(model, aset) * N
@@ -256,6 +275,7 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
         merged_layer=merged_layer, dequantized_layer=D_layer, dequantized=A_deq, layers=A_layers, model_io=A_glob,
         logits_forward=logits_fwd, logits_backward=logits_bwd, attention_backward=T_attn, dequantization=T_deq,
         dequantization_forward=T_deq_fwd, dora_norm=knobs.dora_forward_transient(model, aset),
+        checkpointed_inputs=int(L_ck * kept_tok) if setup.checkpointing else 0,
     )
 
 
@@ -277,11 +297,12 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     # gradient its LoRA branch already produced; in a recomputed (checkpointed) layer the
     # 4-bit copy peaks apart from them (read off the CPU truth: validate --knob quantization)
     t_grad = max(t_mlp, a.attention_backward - mlp_side * N - merged)
-    apart = setup.checkpointing and setup.quant != "int8"
+    ck = selective.is_checkpointed(setup, idx)  # (every layer, or every k-th: estimator/selective.py)
+    apart = ck and setup.quant != "int8"
     transient = max(t_grad, a.dequantization) if apart else t_grad + a.dequantization
-    kept = a.layer_kept if setup.checkpointing else saved
-    extra = (saved if setup.checkpointing else 0) + transient + c * N * h
-    if setup.checkpointing:  # the recomputed forward's widest LoRA projection (DoRA: its weight norm)
+    kept = a.layer_kept if ck else saved
+    extra = (saved if ck else 0) + transient + c * N * h
+    if ck:  # the recomputed forward's widest LoRA projection (DoRA: its weight norm)
         extra = max(extra, transients.lora_forward_peak_per_token(model, aset, idx) * N + c * N * h,
                     saved + knobs.dora_forward_transient(model, aset, recompute=True))
     return extra, kept
@@ -292,13 +313,14 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
 
 
 def _phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cast: AutocastCache,
-                 a: StepActivationTerms) -> tuple[dict[str, int], int]:
+                 a: StepActivationTerms, stack: Stack = DEFAULT_STACK) -> tuple[dict[str, int], int]:
     """The tensor peak of each phase, and the recompute term (checkpointing: one layer recomputed
     with its gradient temporaries). ZeRO and FSDP place the same activation moments on their own
     per-rank states (estimator/distributed.py, estimator/fsdp.py)."""
     top_extra, _ = _layer_backward(model, setup, a, model.num_layers - 1)
     bottom_extra, bottom_kept = _layer_backward(model, setup, a, 0)
-    recompute = int(max(top_extra, bottom_extra)) if setup.checkpointing else 0
+    ends = [e for i, e in ((model.num_layers - 1, top_extra), (0, bottom_extra)) if selective.is_checkpointed(setup, i)]
+    recompute = int(max(ends, default=0))
     if st.zero is None and st.fsdp is None:
         return _single_gpu_phase_peaks(model, setup, st, cast, a, top_extra, bottom_extra, bottom_kept), recompute
     c, N, h = a.compute_bytes, setup.tokens, model.hidden_size
@@ -310,7 +332,8 @@ def _phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cast: Autocast
         saved=int(A_layers))
     if st.zero is not None:
         return zero_phase_peaks(model, setup, st.zero, step_acts), recompute
-    return fsdp_phase_peaks(model, setup, st.fsdp, step_acts), recompute
+    reentrant = setup.checkpointing and stack.reentrant_checkpointing  # estimator/fsdp.py fsdp_phase_peaks
+    return sharded_phase_peaks(model, setup, st.fsdp, step_acts, reentrant), recompute
 
 
 def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cast: AutocastCache,
@@ -325,7 +348,8 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
     accum_grads = G if setup.grad_accum > 1 else 0
     base = W + A_w + S + st.buffers
 
-    at_loss = base + cast_cache + accum_grads + A_layers + a.model_io + a.logits_forward
+    off = act_offload.device_saving_bytes(model, setup)  # --activation-offload: layer inputs on host
+    at_loss = base + cast_cache + accum_grads + A_layers - off + a.model_io + a.logits_forward
     # with checkpointing nothing inside a layer is saved, but a layer's forward still builds its
     # merged expert stack (and routes k copies of the hidden states) while it runs
     in_layer = 0
@@ -337,8 +361,11 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
                       + knobs.dora_forward_transient(model, setup))
     if a.dequantization_forward:  # the last layer's largest Linear being dequantized
         forward = max(forward, base + cast_cache + accum_grads + A_layers + a.dequantization_forward + c * N * h)
-    start = base + cast_cache + accum_grads + A_layers + a.model_io + a.logits_backward
+    start = (base + cast_cache + accum_grads + A_layers - act_offload.backward_start_saving_bytes(model, setup)
+             + a.model_io + a.logits_backward)
     cast_top, cast_bottom = cast_cache - cast.head, cast.layer
+    if setup.adapters and selective.selective(setup) and selective.is_checkpointed(setup, L - 1):
+        cast_top += cast.layer  # the recomputed top layer casts its frozen weights again
     if setup.method == "full":
         G_head = head_params(model) * weight_dtype_bytes(setup)
         G_layer = (G - G_head) / max(L, 1)
@@ -356,7 +383,7 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
         first = base + cast_top + accum_grads + A_layers + top_extra
         last = base + cast_bottom + G + bottom_kept + bottom_extra
         backward = max(start, first, last, base + G)
-    optimizer = W + A_w + G + S + T_opt + st.buffers
+    optimizer = W + A_w + G + S + T_opt + st.buffers + act_offload.stale_bytes(model, setup)  # (TRL holds them)
     if setup.optimizer_in_backward:  # G is one parameter's (estimator/knobs.py); a tied one's meet at the end
         tied, G_in = knobs.tied_gradient_bytes(model, setup), knobs.in_backward_gradient(model, setup, in_layers=True)
         first = base + cast_top + G_in + tied + A_layers + top_extra
@@ -375,7 +402,8 @@ def _objective(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, st: ModelSta
     objectives.check_objective(model, setup, gpu)
     resting = st.weights + st.adapters + st.optimizer_states + st.buffers
     after_forward = resting + a.layers + a.model_io
-    return objectives.objective_memory(model, setup, gpu, resting, after_forward, stack)
+    return objectives.objective_memory(model, setup, gpu, resting, after_forward, stack, st.adapters,
+                                       st.gradients if setup.grad_accum > 1 else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,6 +416,8 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
     A_layers, A_deq = a.layers, a.dequantized
     T_deq, T_deq_fwd = a.dequantization, a.dequantization_forward
     logits = max(a.logits_forward, a.logits_backward)
+    # every layer checkpointed: all the layers keep (a layer split's acts are its rank's); selective: some
+    ckpt_inputs = a.checkpointed_inputs if selective.selective(setup) else A_layers if setup.checkpointing else 0
     comps = [
         Component("weights", st.weights, PHASES,
                   note=_weights_note(setup) if st.fsdp is None else "this rank's FSDP shards"),
@@ -403,7 +433,7 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
                   note="cudaMallocManaged: in device_total, not in tensor peak/allocated/reserved") if paged else None,
         Component("optimizer_step", st.optimizer_step, ("optimizer",), note="foreach step transient")
         if st.optimizer_step else None,
-        Component("activations", A_layers - A_deq if not setup.checkpointing else 0, fb, note="saved for backward"),
+        Component("activations", A_layers - A_deq - ckpt_inputs, fb, note="saved for backward"),
         Component("dequantized_weights", A_deq, fb,
                   note="GPTQ: each Linear's 16-bit weight, saved by torch.matmul for backward") if A_deq else None,
         Component("dequantization", max(T_deq, T_deq_fwd), fb,
@@ -411,8 +441,10 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
         if setup.quant in ("gptq", "awq") and max(T_deq, T_deq_fwd) else None,
         Component("dora_weight_norm", a.dora_norm, fb, note="one Linear's W + s*BA in fp32 and the eye(in) "
                   "its LoRA weight is built from") if a.dora_norm else None,
-        Component("checkpointed_inputs", A_layers if setup.checkpointing else 0, fb,
-                  note="layer inputs kept by checkpointing") if setup.checkpointing else None,
+        Component("checkpointed_inputs", ckpt_inputs, fb, note="layer inputs kept by checkpointing"
+                  + (" (host RAM at the loss with activation offloading)" if setup.activation_offload else "")
+                  + (f" (one layer in {setup.checkpoint_every})" if selective.selective(setup) else ""))
+        if setup.checkpointing else None,
         Component("recompute", recompute, ("backward",), note="one layer recomputed, with its gradient temporaries")
         if recompute else None,
         Component("model_io_activations", a.model_io, fb, note="embeddings, final norm, fp32 log-probs"),
@@ -424,7 +456,9 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
         Component("deepspeed_buffers", st.buffers, PHASES) if st.buffers and not st.ddp_buckets else None,
         Component("ddp_buckets", st.ddp_buckets, PHASES, note="DDP gradient buckets (a copy of the gradients)")
         if st.ddp_buckets else None,
-        Component("fsdp_gathered", st.fsdp_gathered, PHASES, note="unsharded root unit + one layer unit (16-bit)")
+        Component("fsdp_gathered", st.fsdp_gathered, PHASES, note="unsharded root unit + one layer unit (16-bit)"
+                  if st.fsdp.version == 1 else "FSDP2: unsharded tail group (norm, head) + one layer; at the loss "
+                  "also the last all-gather buffer (estimator/fsdp2.py)")
         if st.fsdp_gathered else None,
         *(Component(name, n, PHASES, note=note) for name, n, note in overheads),
         Component("host_offload", st.host, PHASES, where="host") if st.host else None,

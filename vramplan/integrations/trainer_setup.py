@@ -19,7 +19,7 @@
   (all the model's Linear names but the head read as ``all-linear``, as peft expands it),
   ``modules_to_save``, ``use_dora``);
 - the optimizer the Trainer built (its class and ``fused`` flag): what runs, whatever ``optim`` says;
-- the objective from a TRL config's class (DPOConfig, KTOConfig, GRPOConfig; GRPO's
+- the objective from a TRL config's class (DPOConfig, KTOConfig, ORPOConfig, GRPOConfig; GRPO's
   ``num_generations``, ``max_completion_length``, ``use_vllm``/``vllm_mode``).
 
 Torch-free by itself: it reads attributes and dtype names (the callback that calls it imports torch).
@@ -155,7 +155,9 @@ def _accelerate_state(m: Mapped) -> None:
         plugin = state.fsdp_plugin
         strategy = getattr(plugin, "sharding_strategy", None)
         config = {"fsdp_version": getattr(plugin, "fsdp_version", 1),
-                  "offload_params": bool(getattr(getattr(plugin, "cpu_offload", None), "offload_params", False)),
+                  # FSDP1: CPUOffload(offload_params); FSDP2: a CPUOffloadPolicy (no such field)
+                  "offload_params": bool(getattr(getattr(plugin, "cpu_offload", None), "offload_params", False))
+                  or type(getattr(plugin, "cpu_offload", None)).__name__ == "CPUOffloadPolicy",
                   "activation_checkpointing": bool(getattr(plugin, "activation_checkpointing", False))}
         if strategy is not None:
             config["sharding_strategy"] = getattr(strategy, "name", str(strategy))
@@ -279,7 +281,7 @@ def _unmodelled_eval(m: Mapped) -> None:
 
 
 #: TRL 1.16 trainer configs -> Setup.objective
-_OBJECTIVES = {"DPOConfig": "dpo", "KTOConfig": "kto", "GRPOConfig": "grpo"}
+_OBJECTIVES = {"DPOConfig": "dpo", "KTOConfig": "kto", "ORPOConfig": "orpo", "GRPOConfig": "grpo"}
 
 
 def _objective(args, m: Mapped) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import Fields, Mapped, attn_from_name, optimizer_from_name
+from .common import TORCH_COMPILE_WHY, Fields, Mapped, attn_from_name, optimizer_from_name
 from .launch import read_deepspeed_file, read_fsdp
 
 __all__ = ["read_axolotl"]
@@ -33,7 +33,7 @@ _DEPRECATED_ATTN = (("flash_attention", "flash_attention_2"), ("sdp_attention", 
 
 #: keys that change memory in ways vramplan does not model, and why
 _UNMODELLED = {
-    "torch_compile": "torch.compile is not modelled: eager kernels assumed",
+    "torch_compile": TORCH_COMPILE_WHY,
     "flash_attn_cross_entropy": "flash-attn's fused cross-entropy is not modelled: the HF loss assumed",
     "flash_attn_fuse_mlp": "flash-attn's fused MLP is not modelled: transformers' MLP assumed",
     "cut_cross_entropy": "cut cross-entropy is not modelled: the HF loss assumed",
@@ -66,6 +66,7 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
     elif f.has("eval_batch_size"):
         m.ignore("eval_batch_size", f.raw("eval_batch_size"), "no evaluation runs (no val_set_size or test_datasets)")
     s["grad_accum"] = f.int("gradient_accumulation_steps", 1)
+    _rl(f, m)
     ckpt = f.bool("gradient_checkpointing", False, extra=("offload", "offload_disk"))
     s["checkpointing"] = bool(ckpt)
     if isinstance(ckpt, str):
@@ -75,8 +76,14 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
         m.ignore("gradient_checkpointing_kwargs.use_reentrant", True,
                  "reentrant checkpointing is not modelled: use_reentrant=False assumed")
     offload = f.bool("activation_offloading", False, extra=("legacy", "disk", "hidden_states"))
-    if offload:
-        m.ignore("activation_offloading", offload, "activation offloading is not modelled: activations stay on the GPU")
+    if offload is True:  # TRL's OffloadActivations around each training step (estimator/act_offload.py)
+        s["activation_offload"] = True
+        m.assume("activation_offloading", True, "TRL 1.16's OffloadActivations around each training step, with "
+                 "transformers' non-reentrant checkpointing (axolotl wraps the layers with torch's checkpoint "
+                 "wrapper: the same saved layer inputs)")
+    elif offload:
+        m.ignore("activation_offloading", offload, f"axolotl's {offload!r} offloading (not TRL's OffloadActivations) "
+                 "is not modelled: activations stay on the GPU")
     s["attn"] = _attn(f, m)
     s["optimizer"] = optimizer_from_name(f.str("optimizer", "adamw_torch_fused"), m, "optimizer")
     s["precision"] = _precision(f, m)
@@ -93,8 +100,8 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
         read_deepspeed_file(f.raw("deepspeed"), path, m)
     if (f.has("fsdp") and f.raw("fsdp") not in ("", [])) or f.has("fsdp_config"):
         read_fsdp(f.raw("fsdp", "full_shard"), f.sub("fsdp_config"), m, "fsdp_config")
-        if f.int("fsdp_version", None) == 2:
-            m.ignore("fsdp_version", 2, "FSDP2 (fully_shard) is modelled as accelerate's FSDP1")
+        if f.int("fsdp_version", None) == 2:  # FSDP2 (fully_shard): estimator/fsdp2.py
+            m.setup["fsdp_version"] = 2
     liger = _liger(data, f.names("plugins", ()), m)
     for key in sorted(data):
         if key.startswith("liger_") and data[key] and not liger:
@@ -106,6 +113,22 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
     for plugin in plugins:
         if "liger" not in plugin.lower():
             m.ignore("plugins", plugin, "axolotl plugins are not modelled")
+
+
+def _rl(f: Fields, m: Mapped) -> None:
+    """``rl: dpo|orpo|kto``: axolotl's AxolotlDPOTrainer / AxolotlORPOTrainer / AxolotlKTOTrainer
+    subclass TRL's trainers and hand them the PeftModel axolotl built: TRL 1.16's step is modelled
+    (estimator/objectives.py; micro_batch_size is pairs for DPO/ORPO, rows for KTO). Other RL modes
+    (ipo, simpo, grpo, ...) are not read: the SFT step, said so."""
+    rl = f.raw("rl", None)
+    if rl in (None, False, ""):
+        return
+    if rl in ("dpo", "orpo", "kto"):
+        m.setup["objective"] = rl
+        m.assume("rl", rl, f"axolotl's {rl.upper()} trainer subclasses TRL's: TRL 1.16's step modelled, with its "
+                 "default reference (ref_model auto)")
+    else:
+        m.ignore("rl", rl, "only rl dpo, orpo and kto are read: the SFT step assumed")
 
 
 def _liger(data: dict, plugins, m: Mapped) -> bool:

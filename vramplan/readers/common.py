@@ -15,8 +15,18 @@ from typing import Any
 
 from ..specs import Setup, SpecError
 
-__all__ = ["ATTN", "OPTIM", "Fields", "Mapped", "ReadConfig", "ReadWarning", "attn_from_name",
+__all__ = ["ATTN", "OPTIM", "TORCH_COMPILE_WHY", "Fields", "Mapped", "ReadConfig", "ReadWarning", "attn_from_name",
            "optimizer_from_name", "resolve_file"]
+
+#: What every reader says of ``torch_compile``/``compile``: not modelled (no compiled-step truth on
+#: this machine: the live-tensor counter does not see inductor's own buffers), and the direction.
+#: AOTAutograd's partitioner (torch 2.13 ``_functorch/partitioners.py``,
+#: ``min_cut_rematerialization_partition``, inductor's default) recomputes cheap ops in backward
+#: instead of saving them and inductor fuses elementwise chains, so fewer activations are saved;
+#: torchtune 0.6.1's configs say of ``compile: True``: "increases speed + decreases memory".
+TORCH_COMPILE_WHY = ("torch.compile is not modelled: eager kernels assumed; a compiled step usually saves fewer "
+                     "activations (inductor's min-cut partitioner recomputes cheap ops), so the estimate is likely "
+                     "an upper bound (mode=reduce-overhead's CUDA graphs can add memory)")
 
 
 @dataclass(frozen=True)

@@ -101,8 +101,8 @@ def read_fsdp(strategy, config: Fields | None, m: Mapped, key: str) -> None:
             elif value is False:
                 mode = "shard_grad_op"
         version = config.int("fsdp_version", None) or config.int("version", None)
-        if version == 2:
-            m.ignore(f"{key}.fsdp_version", 2, "FSDP2 (fully_shard) is modelled as accelerate's FSDP1")
+        if version == 2:  # FSDP2 (fully_shard): estimator/fsdp2.py
+            m.setup["fsdp_version"] = 2
         if config.bool("fsdp_offload_params", False) or config.bool("offload_params", False):
             m.setup["offload_params"] = "cpu"
         if config.bool("fsdp_activation_checkpointing", False) or config.bool("activation_checkpointing", False):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import Fields, Mapped
+from .common import TORCH_COMPILE_WHY, Fields, Mapped
 from .trainer import load_precision, training_arguments
 
 __all__ = ["read_llamafactory"]
@@ -42,7 +42,7 @@ _UNMODELLED = {
     "use_muon": "Muon is not modelled: AdamW assumed",
     "shift_attn": "LongLoRA's shifted attention is not modelled",
     "mixture_of_depths": "mixture of depths is not modelled",
-    "torch_compile": "torch.compile is not modelled: eager kernels assumed",
+    "torch_compile": TORCH_COMPILE_WHY,
 }
 
 

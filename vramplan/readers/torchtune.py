@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from ..inputs import read_text
-from .common import Fields, Mapped
+from .common import TORCH_COMPILE_WHY, Fields, Mapped
 
 __all__ = ["MODELS", "read_torchtune"]
 
@@ -52,8 +52,12 @@ _OPTIMIZERS = {
 }
 
 _UNMODELLED = {
-    "enable_activation_offloading": "activation offloading is not modelled: activations stay on the GPU",
-    "compile": "torch.compile is not modelled: eager kernels assumed",
+    # torchtune 0.6.1's OffloadActivations (training/_activation_offloading.py) is TRL's ancestor without its
+    # storage deduplication and parameter-storage filter, held over the model's forward only: not TRL's
+    # (what --activation-offload models, estimator/act_offload.py)
+    "enable_activation_offloading": "torchtune's activation offloading is not modelled (it differs from TRL's, "
+                                    "which --activation-offload models): activations stay on the GPU",
+    "compile": TORCH_COMPILE_WHY,
 }
 
 _RUN = re.compile(r"tune run\s+(?:--nnodes\s+\S+\s+)?(?:--nproc_per_node\s+(\d+)\s+)?([\w.-]+)")
@@ -110,6 +114,48 @@ def read_torchtune(data: dict, path: Path, m: Mapped) -> None:
         if f.bool(key, False):
             m.ignore(key, True, why)
     _recipe(f, path, m)
+    _selective(f, path, m)
+
+
+#: the recipes of torchtune 0.6.1 that read ``ac_mode`` / ``ac_option``
+_AC_RECIPES = ("full_finetune_distributed", "qat_distributed")
+
+
+def _selective(f: Fields, path: Path, m: Mapped) -> None:
+    """torchtune 0.6.1's selective checkpointing (``recipes/full_finetune_distributed.py``,
+    ``_setup_model``): ``apply_selective_activation_checkpointing(model, ac_mode, ac_option)`` only
+    when ``ac_mode`` is set and ``enable_activation_checkpointing`` is False; the usual
+    all-layer checkpointing only when it is True and ``ac_mode`` is unset (both set: neither).
+    ``selective`` with ``ac_option`` k wraps layers k-1, 2k-1, ... (training/activations.py
+    ``checkpoint_wrapper``); ``int(ac_option)`` fails for ``op``."""
+    mode = f.str("ac_mode")
+    if mode is None:
+        return
+    match = _RUN.search(read_text(path, "torchtune config"))
+    recipe = match.group(2) if match else ""
+    if not any(r in recipe for r in _AC_RECIPES):
+        m.ignore("ac_mode", mode, f"read only by torchtune's {' and '.join(_AC_RECIPES)} recipes")
+        return
+    if m.setup.get("checkpointing"):
+        m.setup["checkpointing"] = False
+        m.assume("ac_mode", mode, "with enable_activation_checkpointing: True torchtune 0.6.1 applies neither "
+                 "kind of checkpointing: none modelled")
+        return
+    if mode not in ("selective", "full"):
+        raise f.bad("ac_mode", "selective or full", mode)
+    m.setup["checkpointing"] = True
+    if mode == "full":
+        return
+    every = f.raw("ac_option")
+    if isinstance(every, str) and every.strip().isdigit():
+        every = int(every)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise f.bad("ac_option", "a layer frequency (a positive integer; torchtune 0.6.1 int()s it, so 'op' fails)",
+                    every)
+    m.setup["checkpoint_every"] = max(every, 1)  # 0: every layer (``not every_x_layer``)
+    if every > 1:
+        m.assume("ac_option", every, f"torchtune checkpoints layers {every - 1}, {2 * every - 1}, ...; modelled with "
+                 f"transformers' placement (layers 0, {every}, ...): the same count when {every} divides the layers")
 
 
 def _lora(model: Fields, builder: str, m: Mapped) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import Fields, Mapped, attn_from_name, optimizer_from_name
+from .common import TORCH_COMPILE_WHY, Fields, Mapped, attn_from_name, optimizer_from_name
 from .hf_fields import TRAINING_ARGUMENTS, TRANSFORMERS_VERSION, TRL_FIELDS, TRL_VERSION
 from .launch import read_deepspeed_file, read_fsdp
 
@@ -89,9 +89,11 @@ def training_arguments(f: Fields, path: Path, m: Mapped, *, trl: bool) -> str | 
                      "assumed")
         if kwargs.bool("offload", False):  # transformers 5.24 Trainer: saved activations to the host
             m.ignore(f"{kw_name}.offload", True, "offloaded checkpoints are not modelled: they stay on the GPU")
-        if kwargs.int("every_n_layers", 1) != 1:
-            m.ignore(f"{kw_name}.every_n_layers", kwargs.raw("every_n_layers"), "checkpointing every n-th layer is not "
-                     "modelled: every layer checkpointed")
+        every = kwargs.int("every_n_layers", 1)  # transformers 5.24: layers i % n == 0 (estimator/selective.py)
+        if every < 1:
+            raise kwargs.bad("every_n_layers", "a positive integer", every)
+        if every > 1:
+            s["checkpoint_every"] = every
     s["optimizer"] = optimizer_from_name(f.str("optim", "adamw_torch_fused"), m, "optim")
     fp16 = f.bool("fp16", False)
     bf16 = f.bool("bf16", trl and not fp16)
@@ -108,7 +110,7 @@ def training_arguments(f: Fields, path: Path, m: Mapped, *, trl: bool) -> str | 
     elif f.has("per_device_eval_batch_size"):
         m.ignore("per_device_eval_batch_size", f.raw("per_device_eval_batch_size"),
                  "no evaluation runs (eval_strategy \"no\", no do_eval): its batch is no memory")
-    for key, why in (("torch_compile", "torch.compile is not modelled: eager kernels assumed"),
+    for key, why in (("torch_compile", TORCH_COMPILE_WHY),
                      ("tf32", None), ("auto_find_batch_size", "the batch is per_device_train_batch_size")):
         if why and f.bool(key, False):
             m.ignore(key, True, why)
@@ -194,10 +196,8 @@ def trl_trainer_fields(f: Fields, m: Mapped, *, sft: bool = True) -> None:
         else:
             m.ignore(key, True, "padding-free batches without flash attention (SDPA/eager get a block-diagonal N x N "
                      "mask; TRL warns) are not modelled: batch x max_length assumed")
-    for key, why in (("packing", "packing is not modelled: sequences of max_length assumed"),
-                     ("activation_offloading", "activation offloading is not modelled: activations stay on the GPU")):
-        if f.bool(key, False) and not (key == "packing" and bfd):
-            m.ignore(key, True, why)
+    if f.bool("packing", False) and not bfd:
+        m.ignore("packing", True, "packing is not modelled: sequences of max_length assumed")
     # trl 1.16 sft_trainer.py SFTTrainer.__init__: add_fused_lm_head (trl/kernels/chunked_logprob.py)
     # always replaces the head's logits and transformers' loss: --loss trl (estimator/objectives.py);
     # label smoothing (and a compute_loss_func) computes the full logits instead, the head under no_grad
@@ -211,6 +211,12 @@ def trl_trainer_fields(f: Fields, m: Mapped, *, sft: bool = True) -> None:
             if f.str("loss_type", "nll") != "nll":
                 m.assume("loss_type", f.raw("loss_type"), "DFT weights the fused head's log-probs (N-sized): "
                          "modelled as loss trl")
+    if f.bool("activation_offloading", False):  # SFTTrainer.training_step under OffloadActivations
+        if m.setup.get("loss") == "trl":
+            m.ignore("activation_offloading", True, "activation offloading with TRL's fused LM head (loss trl) is "
+                     "not modelled (estimator/act_offload.py: transformers' loss): activations stay on the GPU")
+        else:
+            m.setup["activation_offload"] = True
 
 
 def trl_loss_precision(m: Mapped) -> None:
@@ -253,7 +259,7 @@ def read_trl(data: dict, path: Path, m: Mapped) -> None:
     m.model = f.str("model_name_or_path")
     amp = training_arguments(f, path, m, trl=True)
     s = m.setup
-    trl_trainer_fields(f, m)
+    trl_trainer_fields(f, m, sft="objective" not in s)  # trl dpo|kto: the objective's own head
     s["attn"] = attn_from_name(f.str("attn_implementation"), m, "attn_implementation")
     load = _load_dtype(f, "fp32", m)  # ModelConfig.dtype defaults to float32
     four, eight = f.bool("load_in_4bit", False), f.bool("load_in_8bit", False)

@@ -173,7 +173,7 @@ def _mixed_precision(setup: Setup) -> str:
     return MIXED_PRECISION[setup.precision]
 
 
-def _trainer_groups(model):
+def trainer_groups(model):
     """The HF Trainer's optimizer parameter groups (with and without weight decay)."""
     import transformers
 
@@ -182,7 +182,7 @@ def _trainer_groups(model):
     return [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay]}]
 
 
-def _build_model(config: dict, setup: Setup, work: str = ""):
+def build_model(config: dict, setup: Setup, work: str = ""):
     import torch
     import transformers
 
@@ -302,7 +302,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
     spec = model_spec_from_config(config, name="tiny")
     from .cpu_truth import quant_state_tensors
 
-    model = _build_model(config, setup, work)
+    model = build_model(config, setup, work)
     offload = setup.fsdp != "none" and setup.offload_params == "cpu"
     counter = ResizingCounter()
     counter.track(model, quant_state_tensors(model))
@@ -321,7 +321,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
             wrapped, wrapper, units = model, "none", 0
         # torch's optimizers, or bitsandbytes' (8-bit AdamW: 32-bit states for the embeddings, as
         # the HF Trainer registers them), over the original parameters (use_orig_params)
-        opt = make_optimizer(setup, _trainer_groups(wrapped), wrapped)
+        opt = make_optimizer(setup, trainer_groups(wrapped), wrapped)
         # accelerate's fp16 MixedPrecision steps through FSDP's ShardedGradScaler (built for an
         # accelerator; on CPU accelerate builds none, so it is built here as on the GPU)
         scaler = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,9 @@ class LiveTensorCounter:
         self._phase: str | None = None
         self.phase_peaks: dict[str, int] = {}
         self._mode = None
+        # storages also die on other threads (gloo's workers drop a collective's tensors when it
+        # completes): the weakref callback and the main thread's count must not lose an update
+        self._lock = threading.RLock()
 
     # -- registration ---------------------------------------------------------------------
     def track(self, *objs: Any) -> None:
@@ -92,16 +96,18 @@ class LiveTensorCounter:
             return self._by_obj[key]
         sid = next(self._ids)
         n = st.nbytes()
-        self._by_obj[key] = sid
-        self.live[sid] = n
-        self.current_bytes += n
+        with self._lock:
+            self._by_obj[key] = sid
+            self.live[sid] = n
+            self.current_bytes += n
         self._counted(sid, n)
 
         def _free(_ref, sid=sid, key=key):
-            n = self.live.pop(sid, 0)
-            self.current_bytes -= n
-            self._by_obj.pop(key, None)
-            self._refs.pop(sid, None)
+            with self._lock:
+                n = self.live.pop(sid, 0)
+                self.current_bytes -= n
+                self._by_obj.pop(key, None)
+                self._refs.pop(sid, None)
             self._freed(sid, n)
 
         self._refs[sid] = weakref.ref(st, _free)

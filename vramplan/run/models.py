@@ -68,22 +68,24 @@ def adapt_for_training(model, setup: Setup):
                 target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")],
                 **lora_config_kwargs(setup)))
     if setup.checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, setup.checkpoint_every)
         if setup.adapters:
             model.enable_input_require_grads()
     model.train()
     return model
 
 
-def enable_checkpointing(model) -> None:
-    """HF activation checkpointing of every layer with ``use_reentrant=False``: transformers 5's
+def enable_checkpointing(model, every: int = 1) -> None:
+    """HF activation checkpointing of every layer (or, ``every`` > 1, of the layers ``i % every ==
+    0``: transformers 5.24's ``every_n_layers``) with ``use_reentrant=False``: transformers 5's
     ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` is its deprecated alias,
     gone in v6, and warns), the old name where an installed transformers 4 has only that."""
     kwargs = {"use_reentrant": False}
+    per_layer = {"every_n_layers": every} if every > 1 else {}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **per_layer)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **per_layer)
 
 
 def torch_optimizer(setup: Setup, params):

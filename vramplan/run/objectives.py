@@ -1,17 +1,20 @@
-"""TRL's own trainers as the truth of the DPO and GRPO estimates (estimator/objectives.py), and of
-SFT's ``--loss trl`` (SFTTrainer, :func:`run_sft`): a DPOTrainer, a GRPOTrainer (HF generation) or
-an SFTTrainer runs two steps on this CPU on a narrow random model,
+"""TRL's own trainers as the truth of the DPO, ORPO, KTO and GRPO estimates (estimator/objectives.py),
+and of SFT's ``--loss trl`` (SFTTrainer, :func:`run_sft`): a DPOTrainer, an ORPOTrainer
+(``trl.experimental.orpo``), a KTOTrainer, a GRPOTrainer (HF generation) or an SFTTrainer runs two
+steps on this CPU on a narrow random model,
 with a dataset built in memory (a word-level tokenizer whose words are the token ids, so every row
 has exactly the lengths of the Setup) and, for GRPO, a reward function in Python. The live-tensor
 counter (:mod:`vramplan.run.live`) labels the phases:
 
 - ``generation``: inside the policy's ``generate`` (GRPO);
+- ``kl``: KTO's no-grad forward of the KL rows through the policy, before its forward;
 - ``reference``: a forward under ``torch.no_grad`` outside ``generate`` (the reference model, or
   the policy with its adapters disabled);
 - ``forward`` / ``backward`` / ``optimizer``: the policy's forward, ``accelerator.backward``,
   ``on_pre_optimizer_step``.
 
-Read with TRL 1.16 (trl/trainer/dpo_trainer.py, grpo_trainer.py). Weights are loaded in the
+Read with TRL 1.16 (trl/trainer/dpo_trainer.py, kto_trainer.py, grpo_trainer.py,
+trl/experimental/orpo/orpo_trainer.py). Weights are loaded in the
 Setup's dtype and the trainers' ``bf16``/``fp16`` autocast is off, as in vramplan's canonical step.
 """
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from ..specs import Setup
 
 #: phases in step order (the objective's first)
-TRUTH_PHASES = ("generation", "reference", "forward", "backward", "optimizer")
+TRUTH_PHASES = ("generation", "kl", "reference", "forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -71,17 +74,22 @@ def _config_common(setup: Setup, out: str) -> dict:
 class _Phases:
     """Phase labels for the counter, from hooks on the policy (and the reference copy)."""
 
-    def __init__(self, counter) -> None:
+    def __init__(self, counter, kl: bool = False) -> None:
         self.counter = counter
         self.in_generate = False
+        self.kl = kl  # KTO: a no-grad forward of the policy before its forward is the KL batch's
+        self.policy_forward_done = False
 
     def pre_forward(self, *_a, **_k) -> None:
         import torch
 
         if self.in_generate:
             self.counter.phase("generation")
+        elif torch.is_grad_enabled():
+            self.policy_forward_done = True
+            self.counter.phase("forward")
         else:
-            self.counter.phase("forward" if torch.is_grad_enabled() else "reference")
+            self.counter.phase("kl" if self.kl and not self.policy_forward_done else "reference")
 
     def wrap_generate(self, model) -> None:
         original = model.generate
@@ -129,6 +137,7 @@ def _run(trainer, model, phases: _Phases, ref=None) -> dict[str, int]:
     backward = trainer.accelerator.backward
 
     def wrapped(loss, **kw):
+        phases.policy_forward_done = False
         phases.counter.phase("backward")
         return backward(loss, **kw)
 
@@ -156,12 +165,13 @@ def _quiet() -> contextlib.ExitStack:
     return stack
 
 
-def run_dpo(config: dict, setup: Setup) -> ObjectiveTruth:
-    """Two DPOTrainer steps of ``setup`` (objective dpo): ``batch`` pairs of rows of ``seq`` tokens
-    (a prompt of ``max_prompt_length`` tokens, 1 if unset, and the completion with its EOS)."""
+def _preference_run(config: dict, setup: Setup, row, trainer_cls, config_cls, **extra) -> ObjectiveTruth:
+    """Two steps of TRL's DPOTrainer / ORPOTrainer / KTOTrainer on ``setup``: ``row(gen, i, P, C,
+    vocab, eos)`` is dataset row ``i`` (a prompt of ``max_prompt_length`` tokens, 1 if unset, and a
+    completion of C tokens with its EOS: ``seq`` in all); the reference as :func:`reference` reads
+    it (a frozen copy built here; the adapter, TRL's "ref" copy of it; precomputed)."""
     import numpy as np
     from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
 
     from ..estimator.objectives import lengths, reference
     from .cpu_truth import build_model
@@ -171,27 +181,39 @@ def run_dpo(config: dict, setup: Setup) -> ObjectiveTruth:
     vocab, eos = int(config["vocab_size"]), _eos(config)
     lens = lengths(setup)
     P = setup.max_prompt_length or 1
-    C = lens.row_len - P
     gen = np.random.default_rng(0)
-    n = setup.batch * setup.grad_accum * 2
-    data = Dataset.from_list([{"prompt": _words(gen, P, vocab, eos), "chosen": _words(gen, C - 1, vocab, eos),
-                               "rejected": _words(gen, C - 1, vocab, eos)} for _ in range(n)])
+    data = Dataset.from_list([row(gen, i, P, lens.row_len - P, vocab, eos)
+                              for i in range(setup.batch * setup.grad_accum * 2)])
     ref = reference(setup)
     model = build_model(config, setup.replace(checkpointing=False))
-    ref_model = None
+    ref_model, kw = None, {}
     if ref == "copy":
         ref_model = build_model(config, setup.replace(method="full", checkpointing=False, lora_rank=16))
         ref_model.requires_grad_(False).eval()
+    if setup.objective != "orpo":  # ORPO has no reference
+        kw["ref_model"] = ref_model
+        extra["precompute_ref_log_probs"] = ref == "precomputed"
     with _quiet(), tempfile.TemporaryDirectory() as out:
-        args = DPOConfig(**{**_config_common(setup, out), "per_device_train_batch_size": setup.batch},
-                         max_length=lens.row_len, precompute_ref_log_probs=ref == "precomputed")
+        args = config_cls(**{**_config_common(setup, out), "per_device_train_batch_size": setup.batch},
+                          max_length=lens.row_len, **extra)
         counter = LiveTensorCounter(device="cpu")
-        phases = _Phases(counter)
-        trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data,
-                             processing_class=word_tokenizer(vocab, eos),
-                             callbacks=[_callback(phases, [ref_model] if ref_model is not None else [])])
-        peaks = _run(trainer, trainer.model, phases, trainer.ref_model)
+        phases = _Phases(counter, kl=setup.objective == "kto")
+        trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=word_tokenizer(vocab, eos),
+                              callbacks=[_callback(phases, [ref_model] if ref_model is not None else [])], **kw)
+        peaks = _run(trainer, trainer.model, phases, getattr(trainer, "ref_model", None))
     return _result(peaks, model, t0)
+
+
+def run_dpo(config: dict, setup: Setup) -> ObjectiveTruth:
+    """Two DPOTrainer steps of ``setup`` (objective dpo): ``batch`` pairs of rows of ``seq`` tokens
+    (a prompt of ``max_prompt_length`` tokens, 1 if unset, and the completion with its EOS)."""
+    from trl import DPOConfig, DPOTrainer
+
+    def row(gen, _i, P, C, vocab, eos):  # DPOTrainer adds the completion's EOS
+        return {"prompt": _words(gen, P, vocab, eos), "chosen": _words(gen, C - 1, vocab, eos),
+                "rejected": _words(gen, C - 1, vocab, eos)}
+
+    return _preference_run(config, setup, row, DPOTrainer, DPOConfig)
 
 
 def run_grpo(config: dict, setup: Setup) -> ObjectiveTruth:
@@ -275,3 +297,32 @@ def _eos(config: dict) -> int:
         eos = eos[0]
     vocab = int(config["vocab_size"])
     return int(eos) if isinstance(eos, int) and eos < vocab else vocab - 1
+
+
+def run_orpo(config: dict, setup: Setup) -> ObjectiveTruth:
+    """Two ORPOTrainer steps of ``setup`` (objective orpo; TRL 1.16 ``trl.experimental.orpo``):
+    ``batch`` pairs, each row a prompt and a completion with its EOS, ``seq`` tokens in all (ORPO adds
+    no BOS: the word tokenizer has none)."""
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    def row(gen, _i, P, C, vocab, eos):  # one text prompt + answer: the answer starts with its space
+        return {"prompt": _words(gen, P, vocab, eos), "chosen": " " + _words(gen, C - 1, vocab, eos),
+                "rejected": " " + _words(gen, C - 1, vocab, eos)}
+
+    return _preference_run(config, setup, row, ORPOTrainer, ORPOConfig, dataset_num_proc=None)
+
+
+def run_kto(config: dict, setup: Setup) -> ObjectiveTruth:
+    """Two KTOTrainer steps of ``setup`` (objective kto; TRL 1.16 ``trl.KTOTrainer``): ``batch``
+    unpaired rows of ``seq`` tokens, desirable and undesirable alternating, and the KL batch TRL
+    builds by rotating the completions within the micro-batch (``loss_type="kto"``)."""
+    from trl import KTOConfig, KTOTrainer
+
+    def row(gen, i, P, C, vocab, eos):  # one text prompt + completion; KTO appends the EOS text unless there
+        return {"prompt": _words(gen, P, vocab, eos), "completion": " " + _words(gen, C - 1, vocab, eos) + f" t{eos}",
+                "label": i % 2 == 0}
+
+    return _preference_run(config, setup, row, KTOTrainer, KTOConfig, dataset_num_proc=None)

@@ -101,6 +101,26 @@ def saved_checkpoint(config: dict, dtype, work: str) -> str:
     return str(path)
 
 
+def rank_worker(job_path: str, run_one) -> None:
+    """A rank's main (``python -m MODULE JOB`` of :func:`launch_ranks`): gloo, one thread, each of
+    the job's setups through ``run_one(config, setup, seq, out)``, the results to ``rank<r>.json``."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from ..specs import Setup
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    job = json.loads(Path(job_path).read_text())
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    out = [run_one(job["config"], Setup.from_dict(s), job["seq"], job["out"]) for s in job["setups"]]
+    (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
 def failed_launch_rows(setups, world: int, base: str, family: str, exc: Exception, label) -> list:
     """The validate rows of a launch that crashed or timed out: each setup unverified, with the
     first line of the failure; ``label(setup)`` gives its (knob, truth name without ``-N``)."""

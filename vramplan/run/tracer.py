@@ -67,6 +67,7 @@ class TraceNumbers:
     params_trainable: int
     saved_by_module: dict[str, int]
     saved_detail: list = field(default_factory=list)
+    host_peak: int = 0  # host RAM of activation offloading's copies (peak)
 
     @property
     def peak(self) -> int:
@@ -90,6 +91,10 @@ class _MomentCounter(LiveTensorCounter):
         self.peaks: dict[str, PhasePeak] = {m: PhasePeak() for m in MOMENTS}
         self.classify = None  # callable(live ids) -> categories, set by the driver
         self.on_backward_start = lambda: None
+        self.host: set[int] = set()  # storages in host RAM (activation offloading's copies), not device bytes
+        self.host_bytes = 0
+        self.host_peak = 0
+        self.host_context = False
 
     def add(self, tensor) -> int | None:
         """Count ``tensor`` (it exists before the counter sees an op make it); its id."""
@@ -99,13 +104,41 @@ class _MomentCounter(LiveTensorCounter):
         """Take the live bytes now as a candidate for the moment's peak."""
         self._observe()
 
+    def mark_host(self, tensor) -> None:
+        """``tensor``'s storage is host RAM from now on (run/act_offload.py)."""
+        sid = self.add(tensor)
+        if sid is not None and sid not in self.host:
+            self.host.add(sid)
+            self.host_bytes += self.live[sid]
+            self.host_peak = max(self.host_peak, self.host_bytes)
+
+    def unmark_host(self, tensor) -> None:
+        """``tensor``'s storage is device memory again."""
+        sid = self.sid_of(tensor)
+        if sid in self.host:
+            self.host.discard(sid)
+            self.host_bytes -= self.live[sid]
+
+    def _counted(self, sid: int, nbytes: int) -> None:
+        if self.host_context:  # allocated as host RAM (run/act_offload.py: the host copies)
+            self.host.add(sid)
+            self.host_bytes += nbytes
+            self.host_peak = max(self.host_peak, self.host_bytes)
+
+    def _freed(self, sid: int, nbytes: int) -> None:
+        if sid in self.host:
+            self.host.discard(sid)
+            self.host_bytes -= nbytes
+
     def _observe(self) -> None:
         if self.moment is None:
             return
         peak = self.peaks[self.moment]
-        if self.current_bytes > peak.bytes:
-            peak.bytes = self.current_bytes
-            peak.categories = self.classify(self.live) if self.classify else {}
+        device = self.current_bytes - self.host_bytes
+        if device > peak.bytes:
+            peak.bytes = device
+            live = {s: n for s, n in self.live.items() if s not in self.host} if self.host else self.live
+            peak.categories = self.classify(live) if self.classify else {}
 
 
 def _label_backward_moments(model, counter: _MomentCounter, num_layers: int) -> None:
@@ -259,6 +292,11 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                                      t.untyped_storage().nbytes()))
             return t
 
+        offload = None
+        if setup.activation_offload:  # TRL's manager, built once as SFTTrainer builds it (run/act_offload.py)
+            from .act_offload import offload_manager
+
+            offload = offload_manager(model, counter, pack)
         rows = (1, setup.tokens) if setup.padding_free else (setup.batch, setup.seq)  # one flattened row
         input_ids = torch.randint(0, int(config.get("vocab_size", 32000)), rows)
         counter.add(input_ids)
@@ -278,14 +316,15 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                 saved_detail.clear()
             for _micro in range(setup.grad_accum):
                 counter.moment = "forward:layers"
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-                    loss = model(**batch).loss
-                    if setup.grad_accum > 1:
-                        loss = loss / setup.grad_accum
-                counter.moment = "backward:pre"
-                counter.on_backward_start()
-                loss.backward()
-                del loss
+                with _step_hooks(offload, pack) as hooks:
+                    with hooks, autocast:
+                        loss = model(**batch).loss
+                        if setup.grad_accum > 1:
+                            loss = loss / setup.grad_accum
+                    counter.moment = "backward:pre"
+                    counter.on_backward_start()
+                    loss.backward()
+                    del loss
                 counter.observe()
             counter.moment = "optimizer"
             opt.step()
@@ -301,12 +340,29 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
 
     return TraceNumbers(
         num_layers=hf_cfg.num_hidden_layers,
+        host_peak=counter.host_peak,
         phase_peaks=counter.peaks,
         params_total=sum(p.numel() for p in params),
         params_trainable=sum(p.numel() for p in trainable),
         saved_by_module=dict(sorted(saved_by_module.items(), key=lambda kv: -kv[1])),
         saved_detail=saved_detail,
     )
+
+
+@contextlib.contextmanager
+def _step_hooks(offload, pack):
+    """The saved-tensor hooks of one micro-step: the tracer's own around the forward (yielded), or
+    with ``--activation-offload`` TRL's offloading manager around forward and backward, as
+    ``SFTTrainer.training_step`` holds it (run/act_offload.py; the forward then needs no more)."""
+    import torch
+
+    if offload is None:
+        yield torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        return
+    from .act_offload import offload_step
+
+    with offload_step(offload):
+        yield contextlib.nullcontext()
 
 
 def _combine(base: TraceNumbers, deltas: list[tuple[TraceNumbers, TraceNumbers, float]],
@@ -331,6 +387,7 @@ def _combine(base: TraceNumbers, deltas: list[tuple[TraceNumbers, TraceNumbers, 
         params_total=value(lambda t: t.params_total),
         params_trainable=value(lambda t: t.params_trainable),
         saved_by_module=base.saved_by_module,
+        host_peak=value(lambda t: t.host_peak),
     )
 
 
@@ -368,7 +425,10 @@ def trace(
     check(model, setup)  # a setup peft or transformers would refuse fails here, in one line
     require_torch()
     L = _num_layers(model.config)
-    if L <= full_depth_max:
+    if setup.activation_offload:  # the forward stash holds the last layers' inputs: linear from 5 layers on
+        full_depth_max, depths = max(full_depth_max, 6), (5, 6)
+    # selective checkpointing: the layers differ, so a per-layer extrapolation would not hold
+    if L <= full_depth_max or setup.checkpoint_every > 1:
         return breakdown_from_trace(model, setup, trace_numbers(model.config, setup), "traced at full depth", gpu)
     types = _layer_types(model.config)
     if types and len(set(types)) > 1:
@@ -403,6 +463,9 @@ def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, not
         Component(name, n, PHASES, note=(n_note + "; " if n_note else "") + "published figure, not traced")
         for name, n, n_note in overheads
     )
+    if nums.host_peak:
+        components += (Component("activation_offload_host", nums.host_peak, ("forward", "backward"), where="host",
+                                 note="TRL OffloadActivations' host copies (traced)"),)
     return Breakdown(
         model=model.name,
         setup=setup,
@@ -416,6 +479,7 @@ def breakdown_from_trace(model: ModelSpec, setup: Setup, nums: TraceNumbers, not
         device_total_bytes=device_total,
         params_total=nums.params_total,
         params_trainable=nums.params_trainable,
+        host_bytes=nums.host_peak,
         gpu=gpu,
         notes=(note,),
     )

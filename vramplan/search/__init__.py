@@ -40,7 +40,9 @@ note, never chosen silently.
 Knobs the search does not vary unless fixed by the user: the loss implementation (``hf``), LoRA
 alpha/dropout/targets, double quantization, and optimizers that change the recipe (SGD, Lion,
 Adafactor): the search keeps AdamW semantics (fused AdamW or bitsandbytes 8-bit AdamW, which
-matches it in quality, Dettmers et al. 2022). Offload uses DeepSpeed's CPU Adam, so it goes with
+matches it in quality, Dettmers et al. 2022). DPO/GRPO keep their algorithm (lengths, GRPO's
+num_generations and reference); DPO's reference model and GRPO's generation engine with vLLM's share
+of the card are searched (:meth:`.space.Space.objective_knobs`). Offload uses DeepSpeed's CPU Adam, so it goes with
 AdamW only. LoRA on an 8-bit base (LLM.int8) and GPTQ/AWQ bases are searched only when ``--quant``
 asks for them (int8 trains several times slower than NF4 in bitsandbytes; GPTQ/AWQ need a
 pre-quantized checkpoint). On a GPU without bf16, full fine-tuning uses fp16 mixed precision and adapters an fp16

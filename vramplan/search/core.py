@@ -168,7 +168,9 @@ class Search:
                 if not feasible(placement_key(s)):
                     continue
                 c = self.fitting_micro_batch(s)
-                if c is not None and (best is None or c.tokens_per_s > best.tokens_per_s):
+                # equal speed: less memory (rank.order's last key), e.g. the smaller of two vLLM shares
+                if c is not None and (best is None or (c.tokens_per_s, -c.device_total_bytes)
+                                      > (best.tokens_per_s, -best.device_total_bytes)):
                     best = c
             if best is not None:
                 bests.append(best)

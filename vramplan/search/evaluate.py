@@ -8,8 +8,9 @@ Memory is :func:`vramplan.estimator.estimate` only (never a formula of its own);
 
 from __future__ import annotations
 
-from .. import cost
+from .. import cost, cost_objectives
 from ..estimator import estimate
+from ..estimator.vllm_share import vllm_share
 from ..specs import Breakdown, ModelSpec, Setup
 from .geometry import BatchShape, Target
 from .space import family_key, rank_key
@@ -49,6 +50,7 @@ class Evaluator:
         self.failures: list[Candidate] = []  # estimated setups that did not fit
         self.fail_rank: dict[tuple, int] = {}  # setup but its rank -> lowest rank known to fail
         self._counts: dict[tuple, cost.Counts] = {}
+        self._steps: dict[Setup, cost.StepCost] = {}
 
     # -- memory and speed -----------------------------------------------------------------------
 
@@ -67,7 +69,12 @@ class Evaluator:
         return k
 
     def step(self, setup: Setup) -> cost.StepCost:
-        return cost.step_cost(self.model, setup, self.target.gpu, self.target.nodes, self.counts(setup))
+        # DPO/GRPO: the policy's rows plus the reference forward and generation (vramplan/cost_objectives.py)
+        c = self._steps.get(setup)
+        if c is None:
+            c = self._steps[setup] = cost_objectives.step_cost(self.model, setup, self.target.gpu, self.target.nodes,
+                                                               self.counts(setup))
+        return c
 
     def band_of(self, bd: Breakdown) -> float:
         """The one place the search reads an estimate's error band."""
@@ -87,8 +94,9 @@ class Evaluator:
         return min(self.limits(bd)) if self.strict else self.target.gpu.usable_memory_bytes
 
     def host_need(self, setup: Setup, bd: Breakdown) -> int:
-        """Host RAM per node the offloaded state needs (NVMe-offloaded state lives on disk)."""
-        if "cpu" not in (setup.offload_optimizer, setup.offload_params):
+        """Host RAM per node the offloaded state needs (NVMe-offloaded state lives on disk; activation
+        offloading's pinned copies are host RAM)."""
+        if "cpu" not in (setup.offload_optimizer, setup.offload_params) and not setup.activation_offload:
             return 0
         return bd.host_bytes * (self.target.gpus // self.target.nodes)
 
@@ -105,6 +113,10 @@ class Evaluator:
         """Why ``setup`` (estimated as ``bd``) does not fit the target, or None when it does."""
         usable = self.target.gpu.usable_memory_bytes
         total = bd.device_total_bytes
+        if setup.objective == "grpo" and setup.generation == "vllm-colocate":
+            share = vllm_share(self.model, setup, self.target.gpu)  # vLLM starts only if one sequence fits its cache
+            if not share.starts:
+                return Misfit("vllm", share.non_kv_bytes + share.kv_per_seq_bytes, share.share_bytes)
         if total > usable:
             return Misfit("gpu", total, usable)
         if self.strict:

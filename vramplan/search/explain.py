@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..specs import Alternative, GpuSpec, Note, Rejected
 from ..units import GiB, gib
 from .core import Result
+from .explain_objectives import objective_notes
 from .geometry import DEFAULT_HOST_RAM_PER_GPU, Target
 from .labels import describe, duration, method_name, quality_label, savers_text, size
 from .rank import TIERS, front, much_faster_lower_tier, quality, residency, tier
@@ -43,6 +44,10 @@ def misfit_text(m: Misfit) -> str:
                 f"({size(m.margin * m.limit_bytes)})")
     if m.kind == "host_ram":
         return f"offload needs {size(m.need_bytes)} of host RAM > {size(m.limit_bytes)} available"
+    if m.kind == "vllm":
+        need, limit = sizes(m.need_bytes, m.limit_bytes)
+        return (f"vLLM's share ({limit}) cannot hold its weights, profile peak and one sequence's KV cache "
+                f"({need}): vLLM would not start")
     if m.kind == "lower_rank":
         return f"does not fit (rank {m.rank} already fails)"
     raise ValueError(f"unknown misfit kind {m.kind!r}")
@@ -113,19 +118,27 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
                     kind = "tight"
         out.append(_rejection(plain.setup, head, reason, misfit, bd.device_total_bytes, kind, usable))
     out += _layer_split_rejections(result, chosen, usable)
+    out += _tensor_split_rejections(result, chosen, usable)
     if chosen is None:
         return tuple(out)
     # the chosen family's faster settings: other savers at the chosen micro-batch, the next micro-batch
     mbs = search.shape.micro_batches
+    # DPO/GRPO: the other references / generation engines and vLLM shares at the chosen savers come first
+    knobs = [chosen.setup.replace(**k) for k in search.space.objective_knobs(chosen.setup) if k]
+    knobs = sorted((s for s in knobs if s != chosen.setup), key=lambda s: (s.generation, s.vllm_memory_fraction))
+    own = (chosen.setup.ref_model, chosen.setup.generation, chosen.setup.vllm_memory_fraction)
     trials = [ev.at_micro(s, chosen.setup.batch) for s in search.space.savers(chosen.setup)
-              if residency(s) <= residency(chosen.setup)]
+              if residency(s) <= residency(chosen.setup) and (s.ref_model, s.generation, s.vllm_memory_fraction) == own]
     bigger = [m for m in mbs if m > chosen.setup.batch]
     if bigger:
         trials.append(ev.at_micro(chosen.setup, bigger[0]))
     same: list[Rejected] = []
-    for s in sorted(trials, key=lambda s: -ev.step(s).tokens_per_s):
-        if len(same) == MAX_SAME_FAMILY_REJECTIONS or ev.step(s).tokens_per_s <= chosen.tokens_per_s:
+    share_over = False  # a vLLM share over the card: the larger shares are, too
+    for s in knobs + sorted(trials, key=lambda s: -ev.step(s).tokens_per_s):
+        if len(same) == MAX_SAME_FAMILY_REJECTIONS:
             break
+        if ev.step(s).tokens_per_s <= chosen.tokens_per_s or (share_over and s in knobs):
+            continue
         c = ev.judge(s)
         if c.fits:
             continue
@@ -133,6 +146,7 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
         misfit = c.misfit if c.breakdown is not None else ev.misfit(s, bd)
         if misfit is None:
             continue
+        share_over = share_over or (s in knobs and s.generation == "vllm-colocate" and misfit.kind != "vllm")
         same.append(_rejection(s, f"{describe(s)}: ", misfit_text(misfit), misfit, bd.device_total_bytes,
                                "faster_setting", usable))
     return tuple(out) + tuple(same)
@@ -163,6 +177,36 @@ def _layer_split_rejections(result: Result, chosen: Candidate | None, usable: in
         savers = savers_text(smallest.replace(device_map="none"))
         why = f"{misfit_text(misfit)} on its fullest GPU even with {savers} (GPUs {gpus} GiB)"
         out.append(_rejection(smallest, head, why, misfit, bd.device_total_bytes, "too_big", usable))
+    return out
+
+
+def _tensor_split_rejections(result: Result, chosen: Candidate | None, usable: int) -> list[Rejected]:
+    """Several GPUs and a plan without tensor parallelism: why not ``--tp`` over all of them for the
+    chosen family (every family when nothing fits): its smallest setting at the first micro-batch
+    does not fit, or it fits but its all-reduces (cost.py) make it slower than the plan."""
+    search, ev = result.search, result.search.ev
+    if search.target.gpus < 2 or (chosen is not None and chosen.setup.tp > 1):
+        return []
+    out = []
+    for fam in [chosen.setup] if chosen is not None else result.families:
+        key = family_key(fam)
+        splits = [s for s in (ev.at_micro(s, search.shape.micro_batches[0]) for s in search.space.tensor_splits(fam))
+                  if family_key(s) == key]
+        if not splits:
+            continue
+        smallest = min(splits, key=lambda s: ev.estimate(s).device_total_bytes)
+        bd = ev.estimate(smallest)
+        misfit = ev.misfit(smallest, bd)
+        head = f"tensor parallelism over {search.target.gpus} GPUs (tp_plan=auto, {method_name(fam)}): "
+        if misfit is not None:
+            why = f"{misfit_text(misfit)} on each GPU even with {savers_text(smallest.replace(tp=1))}"
+            out.append(_rejection(smallest, head, why, misfit, bd.device_total_bytes, "too_big", usable))
+        elif chosen is not None and ev.step(smallest).tokens_per_s < chosen.tokens_per_s:
+            comm = ev.step(smallest).comm_s / ev.step(smallest).step_s
+            why = (f"fits, but {1 - ev.step(smallest).tokens_per_s / chosen.tokens_per_s:.0%} fewer tokens/s: the GPUs "
+                   f"share each micro-batch and all-reduce every layer's activations over the "
+                   f"{search.target.gpu.interconnect or 'GPU'} link ({comm:.0%} of its step)")
+            out.append(_rejection(smallest, head, why, None, bd.device_total_bytes, "too_slow", usable))
     return out
 
 
@@ -294,7 +338,9 @@ def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, 
                           f"{chosen.tokens_per_s:,.0f} tokens/s",
                           "duration"))
     notes.append(Note("speed: first-order cost model (vramplan.cost: the card's dense TFLOP/s at a modelled "
-                      "utilisation, offload and communication over its links); memory: the analytic estimate",
-                      "speed_model"))
+                      "utilisation, offload and communication over its links"
+                      + ("; DPO/GRPO phases: vramplan.cost_objectives" if chosen.setup.objective != "sft" else "")
+                      + "); memory: the analytic estimate", "speed_model"))
+    notes += objective_notes(result, chosen, misfit_text)  # DPO/GRPO: the phases' time, the reference, vLLM's share
     notes += [Note(n, "estimate") for n in bd.notes if n not in notes]
     return notes

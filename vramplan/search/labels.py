@@ -3,6 +3,7 @@ count, a duration. Pure functions of a Setup or a number; no search state."""
 
 from __future__ import annotations
 
+from ..estimator.objectives import reference
 from ..specs import Setup
 from ..units import GiB
 
@@ -38,16 +39,19 @@ def savers_text(setup: Setup) -> str:
     """The memory savers of a setup in words ("checkpointing, 8-bit AdamW, ZeRO-3, CPU offload")."""
     parts = []
     if setup.checkpointing:
-        parts.append("checkpointing")
+        every = setup.checkpoint_every
+        parts.append("checkpointing" + (f" (1 layer in {every})" if every > 1 else ""))
     if setup.optimizer != "adamw-fused":
         parts.append({"adamw-8bit": "8-bit AdamW", "paged-adamw-8bit": "paged 8-bit AdamW"}.get(setup.optimizer,
                                                                                               setup.optimizer))
     if setup.device_map != "none":
         parts.append(f"the layers split over {setup.gpus} GPUs")
+    if setup.tp > 1:
+        parts.append(f"tensor parallelism over {setup.tp} GPUs")
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
     if setup.fsdp != "none":
-        parts.append(f"FSDP {setup.fsdp.upper()}")
+        parts.append(f"FSDP{'2' if setup.fsdp_version == 2 else ''} {setup.fsdp.upper()}")
     offloaded = [w for w, v in (("optimizer", setup.offload_optimizer), ("params", setup.offload_params))
                  if v != "none"]
     if offloaded:
@@ -57,7 +61,22 @@ def savers_text(setup: Setup) -> str:
         parts.append(f"{setup.attn} attention")
     if setup.liger:
         parts.append("Liger kernels")
-    return ", ".join(parts) or "no memory savers"
+    if setup.activation_offload:  # TRL's OffloadActivations (estimator/act_offload.py)
+        parts.append("activation offload to host RAM")
+    if setup.optimizer_in_backward:  # one optimizer per parameter, stepped in backward (estimator/knobs.py)
+        parts.append("optimizer in backward")
+    return ", ".join(parts + objective_parts(setup)) or "no memory savers"
+
+
+def objective_parts(setup: Setup) -> list[str]:
+    """DPO's reference and GRPO's generation in words (not savers, but what a plan of them chose)."""
+    if setup.objective == "dpo":
+        return [{"adapter": "reference: adapter-disabled base", "copy": "reference: frozen copy",
+                 "precomputed": "reference log-probs precomputed"}[reference(setup)]]
+    if setup.objective != "grpo":
+        return []
+    gen = {"hf": "HF generate", "vllm-server": "vLLM server"}.get(setup.generation)
+    return [gen or f"vLLM colocated at {setup.vllm_memory_fraction:.2f} of the card"]
 
 
 def describe(setup: Setup) -> str:

@@ -4,6 +4,7 @@ the :class:`~vramplan.specs.Plan` assembled from what it found."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
@@ -61,6 +62,8 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
         check_fixed(spec, {**{k: v for k, v in fixed.items() if k not in ("batch", "grad_accum")},
                            "lora_rank": ranks[-1]}, gpus, seq)
     shape = batch_shape(seq, gpus, global_batch, tokens_per_step, fixed.get("batch"), fixed.get("grad_accum"))
+    if fixed.get("objective") == "kto":  # TRL's KTOTrainer needs 2+ rows a micro-batch (estimator/objectives.py)
+        shape = replace(shape, micro_batches=tuple(b for b in shape.micro_batches if b >= 2) or shape.micro_batches)
     search = Search(spec, target, shape, fixed, error_band, ranks=ranks)
     result = search.run()
     chosen = result.choose()

@@ -13,7 +13,9 @@
 
 Tight plans (inside the margins) are never in the same choice as non-tight ones: the planner
 searches with the margins first and without them only when nothing fits (``planner.py``).
-At equal speed a plain transformers stack is chosen before Liger's kernels. **Alternatives**: the
+At equal speed a plain transformers stack is chosen before Liger's kernels; Liger's kernels, vLLM for
+GRPO's generation, DPO's precomputed reference log-probs and the optimizer in backward (:func:`extras`) each must buy
+:data:`LIGER_MIN_GAIN` over the plan without them. **Alternatives**: the
 Pareto front over (memory, tokens/s, quality, residency, no Liger), at most
 :data:`MAX_PER_METHOD` per method and :data:`MAX_ALTERNATIVES` in all.
 """
@@ -73,11 +75,19 @@ def residency(setup: Setup) -> int:
     return 1 if setup.gpus == 1 and engine(setup) else 0
 
 
+def extras(setup: Setup) -> int:
+    """How many non-default parts a plan adds to the run: Liger's kernels (liger-kernel, Triton, CUDA),
+    vLLM for GRPO's generation (another engine beside the trainer), DPO's reference log-probs
+    precomputed (a pass over the data before training), the optimizer stepped in backward (one optimizer
+    per parameter, no gradient clipping or accumulation)."""
+    return (int(setup.liger) + int(setup.generation != "hf") + int(setup.ref_model == "precomputed")
+            + int(setup.optimizer_in_backward))
+
+
 def klass(setup: Setup) -> tuple[int, int]:
-    """The classes a family's candidates are searched in apart: residency, then Liger's kernels
-    (an extra dependency: liger-kernel, Triton, CUDA), so a faster Liger plan never hides the
-    plain one from the alternatives."""
-    return residency(setup), int(setup.liger)
+    """The classes a family's candidates are searched in apart: residency, then the extra parts
+    (:func:`extras`), so a faster Liger or vLLM plan never hides the plain one from the alternatives."""
+    return residency(setup), extras(setup)
 
 
 def order(c: Candidate) -> tuple:
@@ -90,14 +100,15 @@ def order(c: Candidate) -> tuple:
 
 def choose(bests: Sequence[Candidate]) -> Candidate | None:
     """The candidate a plan picks among the fitting ones (None: none fits): the best by
-    :func:`order`, unless it needs Liger's kernels for less than :data:`LIGER_MIN_GAIN` over the
-    best candidate without them of the same residency and tier."""
+    :func:`order`, unless its extra parts (:func:`extras`: Liger's kernels, vLLM, precomputed
+    reference log-probs) buy less than :data:`LIGER_MIN_GAIN` over the best candidate with fewer
+    of them of the same residency and tier."""
     if not bests:
         return None
     best = max(bests, key=order)
-    if best.setup.liger:
-        plain = [c for c in bests if not c.setup.liger and residency(c.setup) == residency(best.setup)
-                 and tier(c.setup) == tier(best.setup)]
+    if extras(best.setup):
+        plain = [c for c in bests if extras(c.setup) < extras(best.setup)
+                 and residency(c.setup) == residency(best.setup) and tier(c.setup) == tier(best.setup)]
         alt = max(plain, key=order, default=None)
         if alt is not None and best.tokens_per_s < (1 + LIGER_MIN_GAIN) * alt.tokens_per_s:
             return alt

@@ -12,9 +12,11 @@ from typing import Any
 
 from ..compat import known_failures, runs
 from ..estimator.eval_step import eval_unmodelled
+from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
 from ..estimator.layer_split import check_supported as layer_split_supported
 from ..estimator.liger import LIGER_FAMILIES
-from ..setup_checks import check
+from ..estimator.selective import check_selective
+from ..setup_checks import check, check_activation_offload, check_fsdp2
 from ..specs import ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
 
@@ -24,6 +26,13 @@ LORA_RANKS = (8, 16, 32, 64, 128, 256)
 #: raised by the search to use the card (16: peft's examples, torchtune's and axolotl's LoRA recipes
 #: use 8-64).
 DEFAULT_LORA_RANK = 16
+#: vLLM colocated: the shares of the card (``vllm_gpu_memory_utilization``) a GRPO plan tries; TRL 1.16's
+#: default is 0.3 (lowered from 0.9 after OOM reports, trl#2688)
+VLLM_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+DEFAULT_VLLM_FRACTION = next(f.default for f in dataclasses.fields(Setup) if f.name == "vllm_memory_fraction")
+#: Selective checkpointing tried between none and every layer (estimator/selective.py): every
+#: layer, one in 2, one in 4 (about half and a quarter of the recompute)
+CHECKPOINT_EVERY = (1, 2, 4)
 
 
 def rank_choices(lo: int, hi: int) -> tuple[int, ...]:
@@ -33,13 +42,17 @@ def rank_choices(lo: int, hi: int) -> tuple[int, ...]:
 #: Setup fields a user may fix; everything else of Setup is fixed by the target or the batch.
 FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quant", "double_quant",
            "quant_bits", "quant_group_size",
-           "precision", "optimizer", "checkpointing", "attn", "zero_stage", "offload_optimizer",
-           "offload_params", "loss", "batch", "grad_accum", "fsdp", "liger",
+           "precision", "optimizer", "checkpointing", "checkpoint_every", "attn", "zero_stage", "offload_optimizer",
+           "offload_params", "loss", "batch", "grad_accum", "fsdp", "fsdp_version", "liger", "activation_offload",
            # how the data is batched (a padding-free collator): the user's pipeline, fixed, never searched
            "padding_free",
+           # searched where legal (:meth:`Space.in_backward_choices`); a fixed one is kept
+           "optimizer_in_backward",
            # quality choices of the adapters (estimator/knobs.py): fixed, never searched
            "dora", "modules_to_save",
-           # the objective and its knobs (estimator/objectives.py): fixed, never searched
+           # the objective and its algorithm (estimator/objectives.py): fixed, never searched (the lengths and
+           # GRPO's num_generations are the user's algorithm, not memory knobs); searched unless fixed: DPO's
+           # reference, GRPO's generation engine and vLLM's share of the card (:meth:`Space.objective_knobs`)
            "objective", "max_prompt_length", "max_completion_length", "num_generations", "ref_model", "generation",
            "vllm_memory_fraction",
            # the run's eval step (estimator/eval_step.py): its own phase, judged for fit, never searched
@@ -88,6 +101,8 @@ class Space:
             for r in ranks:
                 for p in precision:
                     values = {k: v for k, v in f.items() if k not in ("batch", "grad_accum")}
+                    if "vllm_memory_fraction" in f:  # a share of the card fixed: vLLM colocated
+                        values.setdefault("generation", "vllm-colocate")
                     values.update(method=method, quant=quant,
                                   lora_rank=r if method != "full" else f.get("lora_rank", 16),
                                   precision=p, seq=self.shape.seq, gpus=self.target.gpus)
@@ -105,7 +120,16 @@ class Space:
     def placements(self) -> list[tuple[int, str, str, str]]:
         """(ZeRO stage, optimizer offload, parameter offload, FSDP sharding) worth trying on this
         target. Several GPUs also try PyTorch FSDP (FULL_SHARD, SHARD_GRAD_OP, FULL_SHARD with
-        CPU offload) beside ZeRO; one GPU only when FSDP is asked for."""
+        CPU offload) beside ZeRO; one GPU only when FSDP is asked for.
+
+        FSDP candidates are accelerate's FSDP1 (``fsdp_version`` is not searched): FSDP1 is modelled
+        for everything this search varies (CPU offload, 8-bit AdamW, QLoRA, one GPU), FSDP2
+        (estimator/fsdp2.py) for a subset, and where both are modelled their per-rank peaks differ
+        by about one layer's all-gather buffer (FSDP2's held at the loss) or an untied embedding,
+        not by a memory tier; the plan's emitted accelerate config (fsdp_version: 1) is what it
+        estimated. ``--fsdp-version 2`` (with a fixed ``--fsdp``) fixes FSDP2: every candidate is then
+        FSDP2 (the others fail Setup: fsdp_version 2 needs FSDP). A file's fsdp_version 2 is not
+        kept: it shows as a change to 1 in ``plan --from``."""
         n, f = self.target.gpus, self.fixed
         offl = ("cpu", "nvme") if self.target.nvme else ("cpu",)
         fsdp = [(0, "none", "none", m) for m in ("full_shard", "shard_grad_op")] + [(0, "cpu", "cpu", "full_shard")]
@@ -142,6 +166,7 @@ class Space:
             attns = ("auto", "flash")  # FlashAttention-2 keeps no s x s scores (needs Ampere+)
         # Liger's kernels where they are modelled (estimator/liger.py): a saver, not a quality change
         ligers = self.choices("liger", (False, True) if liger_applies(self.model, family) else (False,))
+        objective = self.objective_knobs(family)
         out = []
         for z, o, p, m in self.placements():
             # DeepSpeed's optimizer offload runs its own CPU Adam; FSDP's CPU offload steps any torch
@@ -151,19 +176,92 @@ class Space:
             for opt in self.choices("optimizer", optimizers):
                 if deepspeed_offload and opt not in ("adamw", "adamw-fused"):
                     continue
-                for ck in self.choices("checkpointing", (False, True)):
-                    for attn, liger in itertools.product(self.choices("attn", attns), ligers):
+                for ck, every in self.checkpointing_choices(family, z, m):
+                    for attn, liger, obj in itertools.product(self.choices("attn", attns), ligers, objective):
                         try:  # a GPTQ/AWQ base refuses ZeRO placements
-                            s = family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m,
-                                               optimizer=opt, checkpointing=ck, attn=attn, liger=liger)
+                            s = family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m, tp=1,
+                                               optimizer=opt, checkpointing=ck, checkpoint_every=every, attn=attn,
+                                               liger=liger, **obj)
+                            if every > 1:
+                                check_selective(self.model, s)
+                            check_fsdp2(self.model, s)  # a fixed --fsdp-version 2: only what FSDP2 models
                         except SpecError:
                             continue
                         if not runs(s, self.model):
                             continue  # known not to run with the pinned libraries (vramplan.compat)
                         if eval_unmodelled(s):  # --eval-batch: only where the eval step is modelled
                             continue
-                        out.append(s)
-        return out + [s for s in self.layer_splits(family) if not eval_unmodelled(s)]
+                        out += [c for o in self.offload_choices(s) for c in self.in_backward_choices(o)]
+        return out + [s for s in self.layer_splits(family) + self.tensor_splits(family) if not eval_unmodelled(s)]
+
+    def offload_choices(self, s: Setup) -> list[Setup]:
+        """``s`` without and with activation offloading (TRL's OffloadActivations), where it is
+        modelled (estimator/act_offload.py: full fine-tuning with checkpointing on one GPU)."""
+        out = []
+        for off in self.choices("activation_offload", (False, True)):
+            try:
+                c = s.replace(activation_offload=off)
+                check_activation_offload(self.model, c)
+            except SpecError:
+                continue
+            out.append(c)
+        return out
+
+    def in_backward_choices(self, s: Setup) -> list[Setup]:
+        """``s`` without and with the optimizer in backward (estimator/knobs.py: each gradient freed once
+        its parameter is stepped). Searched for full fine-tuning only, where it saves a whole model's
+        gradients; with adapters it frees only the adapters' (a few per cent of a LoRA run), not worth a
+        second kind of optimizer step (a fixed ``--optimizer-in-backward`` is kept there). Only where it is
+        modelled and emitted: one GPU without ZeRO/FSDP/layer split/TP, grad accumulation 1 at every
+        micro-batch the search may pick, torch's optimizers (:data:`IN_BACKWARD_OPTIMIZERS`), SFT without eval."""
+        legal = (self.target.gpus == 1 and s.objective == "sft" and s.eval_batch == 0
+                 and s.optimizer in IN_BACKWARD_OPTIMIZERS and s.zero_stage == 0 and s.fsdp == "none"
+                 and all(self.shape.grad_accum(m) == 1 for m in self.shape.micro_batches))
+        ons = self.choices("optimizer_in_backward", (False, True) if legal and s.method == "full" else (False,))
+        out = []
+        for on in ons:
+            if on and not legal:
+                continue
+            try:
+                c = s.replace(optimizer_in_backward=on)
+                if on:
+                    check(self.model, c, self.target.gpu)  # e.g. activation offloading with it is not traced
+            except SpecError:
+                continue
+            out.append(c)
+        return out
+
+    def checkpointing_choices(self, family: Setup, zero_stage: int, fsdp: str) -> list[tuple[bool, int]]:
+        """(checkpointing, checkpoint_every) to try: none, every layer, and between them every
+        :data:`CHECKPOINT_EVERY` -th layer (estimator/selective.py: fewer layers recomputed) where
+        selective checkpointing is modelled (no ZeRO/FSDP placement)."""
+        everies = (1,) if zero_stage or fsdp != "none" else CHECKPOINT_EVERY
+        out = []
+        for ck in self.choices("checkpointing", (False, True)):
+            out += [(ck, e) for e in (self.choices("checkpoint_every", everies) if ck else (1,))]
+        return out
+
+    def objective_knobs(self, family: Setup) -> list[dict[str, Any]]:
+        """The objective's memory knobs to try (``[{}]`` for SFT): DPO's reference (adapters: peft's
+        adapter-disabled base or precomputed log-probs, a frozen copy being the base's weights again for
+        nothing; full: a copy or precomputed); GRPO's generation (HF generate, or vLLM colocated at each of
+        :data:`VLLM_FRACTIONS`; vLLM on other GPUs only when fixed: it needs GPUs this plan does not have).
+        GRPO's reference is the user's ``beta`` (``--ref-model``; none by default), never searched."""
+        if family.objective == "dpo":
+            refs = self.choices("ref_model", ("adapter" if family.adapters else "copy", "precomputed"))
+            return [{"ref_model": r} for r in refs]
+        if family.objective != "grpo":
+            return [{}]
+        gens = self.choices("generation", ("vllm-colocate",) if "vllm_memory_fraction" in self.fixed
+                            else ("hf", "vllm-colocate"))
+        out: list[dict[str, Any]] = []
+        for g in gens:
+            if g != "vllm-colocate":  # no share of the card: Setup's default fraction (read only by vLLM colocated)
+                out.append({"generation": g, "vllm_memory_fraction": DEFAULT_VLLM_FRACTION})
+                continue
+            out += [{"generation": g, "vllm_memory_fraction": v} for v in self.choices("vllm_memory_fraction",
+                                                                                       VLLM_FRACTIONS)]
+        return out
 
     def layer_splits(self, family: Setup) -> list[Setup]:
         """Several GPUs of one machine: the layer split (``device_map="auto"``, one process; naive
@@ -180,12 +278,36 @@ class Space:
             for ck in self.choices("checkpointing", (False, True)):
                 try:
                     s = family.replace(device_map="auto", optimizer=opt, checkpointing=ck, zero_stage=0, fsdp="none",
-                                       offload_optimizer="none", offload_params="none")
+                                       tp=1, offload_optimizer="none", offload_params="none")
                     layer_split_supported(self.model, s)
                 except SpecError:
                     continue
                 if runs(s, self.model):
                     out.append(s)
+        return out
+
+    def tensor_splits(self, family: Setup) -> list[Setup]:
+        """Several GPUs of one machine: tensor parallelism over all of them (``tp == gpus``,
+        transformers' ``tp_plan="auto"``: each GPU a 1/tp shard of every layer, four all-reduces per
+        layer on the critical path, cost.py), where estimator/tensor_parallel.py models it (a 16-bit
+        base, torch AdamW). The cost model ranks it below data parallelism whenever that fits."""
+        from ..estimator.tensor_parallel import check_tp
+
+        f = self.fixed
+        if (self.target.gpus < 2 or self.target.nodes > 1 or self.shape.per_gpu is not None
+                or any(k in f for k in ("zero_stage", "offload_optimizer", "offload_params", "fsdp"))
+                or f.get("optimizer", "adamw") != "adamw"):
+            return []
+        out = []
+        for ck in self.choices("checkpointing", (False, True)):
+            try:
+                s = family.replace(tp=self.target.gpus, optimizer="adamw", checkpointing=ck, zero_stage=0,
+                                   fsdp="none", offload_optimizer="none", offload_params="none")
+                check_tp(self.model, s)
+            except SpecError:
+                continue
+            if runs(s, self.model):
+                out.append(s)
         return out
 
 
@@ -195,6 +317,8 @@ def check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int, seq: int) ->
     if unknown:
         raise SpecError(f"unknown constraint {unknown[0]!r}; fixable knobs: {', '.join(FIXABLE)}")
     probe = dict(fixed)
+    if "vllm_memory_fraction" in probe:  # a share of the card fixed: vLLM colocated
+        probe.setdefault("generation", "vllm-colocate")
     if probe.get("quant", "none") != "none" and "method" not in probe:
         probe["method"] = "qlora" if probe["quant"] in ("nf4", "fp4") else "lora"
     if (probe.get("dora") or probe.get("modules_to_save")) and "method" not in probe:
@@ -236,13 +360,16 @@ def rank_key(s: Setup) -> tuple:
 
 def placement_key(s: Setup) -> tuple:
     """Saver configurations that share a placement are ordered by memory (see :func:`saving`)."""
-    return (s.zero_stage, s.offload_optimizer, s.offload_params, s.fsdp, s.device_map, s.precision)
+    # the objective's knobs (DPO's reference, GRPO's generation and vLLM's share) are not savers: each its own placement
+    return (s.zero_stage, s.offload_optimizer, s.offload_params, s.fsdp, s.device_map, s.tp, s.precision, s.ref_model,
+            s.generation, s.vllm_memory_fraction)
 
 
-def saving(s: Setup) -> tuple[int, int, int, int]:
-    """How many memory savers a configuration turns on, in an order within one placement."""
-    return (int(s.checkpointing), int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")), int(s.attn != "auto"),
-            int(s.liger))
+def saving(s: Setup) -> tuple[int, ...]:
+    """How many memory savers a configuration turns on, in an order within one placement
+    (checkpointing every layer saves more than every k-th)."""
+    return (int(s.checkpointing), -s.checkpoint_every, int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")),
+            int(s.attn != "auto"), int(s.liger), int(s.activation_offload), int(s.optimizer_in_backward))
 
 
 def liger_applies(model: ModelSpec, family: Setup) -> bool:

@@ -18,8 +18,9 @@ from ..specs import Breakdown, Setup
 #: the high end of the estimate's error band plus the allocator allowance is not; ``headroom``: it
 #: leaves less free than the margin kept (``--margin``); ``host_ram``: it fits the GPU but the
 #: offloaded state is over the host RAM available; ``lower_rank``: known without an estimate, a
-#: lower LoRA rank fails.
-MisfitKind = Literal["gpu", "error_band", "headroom", "host_ram", "lower_rank"]
+#: lower LoRA rank fails; ``vllm``: GRPO with vLLM colocated, whose share of the card cannot hold its
+#: weights, profile peak and one sequence's KV cache (vLLM would refuse to start: estimator/vllm_share.py).
+MisfitKind = Literal["gpu", "error_band", "headroom", "host_ram", "lower_rank", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,9 @@ class Misfit:
 
     ``need_bytes``/``limit_bytes``: device total and usable GPU memory (``gpu``, ``error_band``,
     ``headroom``), or the host RAM the offload needs and the share of host RAM available
-    (``host_ram``). ``band`` and ``allowance``: the error band and allocator allowance
-    (``error_band``); ``margin``: the share of usable memory kept free (``headroom``); ``rank``: the
-    lowest rank known to fail (``lower_rank``).
+    (``host_ram``), or what vLLM needs to start and its share of the card (``vllm``). ``band`` and
+    ``allowance``: the error band and allocator allowance (``error_band``); ``margin``: the share of
+    usable memory kept free (``headroom``); ``rank``: the lowest rank known to fail (``lower_rank``).
     """
 
     kind: MisfitKind

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
@@ -169,10 +170,14 @@ def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torc
         # with fewer than two GPUs (or --cpu) there is nothing to split over: one device
         several = not args.cpu and torch.cuda.device_count() > 1
         kwargs["device_map"] = PLAN["device_map"] if several else {"": _device(args)}
+    if PLAN.get("tp"):  # tensor parallelism: transformers' tp_plan over the launched processes (DTensor shards)
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=PLAN["tp"])
     source = checkpoint or args.model
     if source:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    elif quant is None and "device_map" not in kwargs:
+    elif quant is None and "device_map" not in kwargs and "distributed_config" not in kwargs:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), **kwargs)
     else:
         with tempfile.TemporaryDirectory() as tmp:
@@ -294,6 +299,25 @@ def _innermost(optimizer):
     return optimizer
 
 
+class OffloadingTrainer(Trainer):
+    """activation_offload: TRL 1.16's SFTTrainer offloading on the HF Trainer. Every training_step (the
+    forward and the backward) runs under trl.models.activation_offloading.get_act_offloading_ctx_manager
+    (OffloadActivations with CUDA streams, pinned host copies, the output head kept on the GPU), as
+    SFTTrainer.training_step does. It needs trl and a GPU."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not hasattr(torch, "accelerator") or torch.accelerator.current_accelerator() is None:
+            raise SystemExit("activation offloading (TRL's OffloadActivations) needs a GPU")
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+        self.offload_context = get_act_offloading_ctx_manager(model=self.model)
+
+    def training_step(self, *args, **kwargs):
+        with self.offload_context:
+            return super().training_step(*args, **kwargs)
+
+
 class MemoryReport(TrainerCallback):
     """Per optimizer step: peak CUDA memory since the step began (allocated and reserved), step
     time, tokens/s, and the process's peak RSS; written as JSON when training ends. With several
@@ -349,6 +373,40 @@ class MemoryReport(TrainerCallback):
         os.replace(tmp, path)  # atomic: a reader never sees half a report
 
 
+def in_backward_optimizer(model: torch.nn.Module, training_args: TrainingArguments, steps: int):
+    """optimizer_in_backward: the optimizer stepped inside backward, as transformers 5.24 runs its layer-wise
+    optimizers (trainer_optimizer.py _setup_low_rank_optimizer): one optimizer of the plan's kind per
+    trainable parameter (Trainer.get_optimizer_cls_and_kwargs), a post-accumulate-grad hook that steps it
+    and frees the gradient, and a LayerWiseDummyOptimizer for the Trainer, whose step is a no-op. Each
+    parameter's optimizer has its own scheduler over ``steps`` optimizer steps, stepped by a second hook
+    (optimization.py get_scheduler's layer-wise branch; its LayerWiseDummyScheduler fails under torch 2.13,
+    which zips one lr per parameter with the dummy's one group, so the Trainer schedules the dummy)."""
+    from transformers import get_scheduler
+    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+
+    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args, model)
+    optimizer_dict = {p: optimizer_cls([{"params": [p]}], **optimizer_kwargs)
+                      for p in model.parameters() if p.requires_grad}
+    scheduler_dict = {p: get_scheduler(training_args.lr_scheduler_type, optimizer=o,
+                                       num_warmup_steps=training_args.get_warmup_steps(steps),
+                                       num_training_steps=steps,
+                                       scheduler_specific_kwargs=training_args.lr_scheduler_kwargs)
+                      for p, o in optimizer_dict.items()}
+
+    def optimizer_hook(param):
+        if param.grad is not None:
+            optimizer_dict[param].step()
+            optimizer_dict[param].zero_grad()
+
+    def scheduler_hook(param):
+        scheduler_dict[param].step()
+
+    for param in optimizer_dict:
+        param.register_post_accumulate_grad_hook(optimizer_hook)
+        param.register_post_accumulate_grad_hook(scheduler_hook)
+    return LayerWiseDummyOptimizer(optimizer_dict=optimizer_dict, lr=training_args.learning_rate)
+
+
 def _require_prequantized(args: argparse.Namespace) -> None:
     if PLAN["quant"] in PREQUANTIZED and not args.model:
         raise SystemExit(f"error: this plan trains LoRA on a {PLAN['quant'].upper()} base: pass --model with a "
@@ -379,8 +437,13 @@ def build_trainer(args: argparse.Namespace, callbacks=()) -> Trainer:
     dataset, eval_dataset = split_eval(args, dataset, model.config.vocab_size)
     # padding-free: each micro-batch flattened into one row with per-sequence position_ids (flash varlen)
     collator = DataCollatorWithFlattening() if PLAN.get("padding_free") else default_data_collator
-    return Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset,
-                   data_collator=collator, callbacks=callbacks)
+    trainer_class = OffloadingTrainer if PLAN.get("activation_offload") else Trainer
+    optimizers = (None, None)
+    if PLAN.get("optimizer_in_backward"):  # one GPU, no grad accumulation: the Trainer's optimizer steps
+        steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * (len(dataset) // args.batch))
+        optimizers = (in_backward_optimizer(model, training_args, steps), None)
+    return trainer_class(model=model, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset,
+                         data_collator=collator, callbacks=callbacks, optimizers=optimizers)
 
 
 def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
@@ -397,11 +460,15 @@ def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
         # whose flag must match ds_config.json.
         bf16=PLAN["precision"] == "bf16-mixed" or (PLAN["precision"] == "bf16" and bool(args.deepspeed)),
         fp16=PLAN["precision"] == "fp16-mixed" or (PLAN["precision"] == "fp16" and bool(args.deepspeed)),
-        **{CHECKPOINTING: PLAN["checkpointing"], f"{CHECKPOINTING}_kwargs": {"use_reentrant": False}},
+        # checkpoint_every k: only the layers i % k == 0 (transformers 5.24's every_n_layers)
+        **{CHECKPOINTING: PLAN["checkpointing"], f"{CHECKPOINTING}_kwargs": {
+            "use_reentrant": False, **({"every_n_layers": PLAN["checkpoint_every"]} if "checkpoint_every" in PLAN else {})}},
         # Liger's kernels (pip install liger-kernel); the chunked loss runs as Liger's fused, chunked one
         use_liger_kernel=PLAN.get("liger", False) or PLAN["loss"] == "chunked",
         # loss "trl": Liger's layer kernels only, its fused cross-entropy would replace TRL's head (as SFTTrainer does)
         liger_kernel_config={"fused_linear_cross_entropy": False} if PLAN["loss"] == "trl" else None,
+        # optimizer_in_backward: each gradient is stepped and freed in backward, none is left to clip
+        **({"max_grad_norm": 0.0} if PLAN.get("optimizer_in_backward") else {}),
         deepspeed=args.deepspeed,
         use_cpu=args.cpu,
         seed=args.seed,

@@ -1,0 +1,248 @@
+"""Activation offloading (``--activation-offload``): TRL 1.16's OffloadActivations, run for real in the
+fake-tensor tracer (vramplan/run/act_offload.py), against the estimate (vramplan/estimator/act_offload.py);
+the refusals, the readers and writers, the plan dimension and its cost."""
+
+from __future__ import annotations
+
+import pytest
+from cli_helpers import assert_user_error
+from click.testing import CliRunner
+
+from vramplan import cost
+from vramplan.architecture import with_layers
+from vramplan.cli import main
+from vramplan.emit.frameworks import refusal
+from vramplan.emit.hf_configs import axolotl_config, trl_config
+from vramplan.estimator import estimate
+from vramplan.estimator.act_offload import device_saving_bytes, host_bytes
+from vramplan.profiles import load_model
+from vramplan.readers import read_config
+from vramplan.specs import Setup, SpecError
+
+LLAMA = "meta-llama/Llama-3.2-1B"
+OFF = Setup(checkpointing=True, activation_offload=True, seq=512)
+
+
+@pytest.fixture(scope="module")
+def llama2():
+    return with_layers(load_model(LLAMA), 2)
+
+
+def _trace(model, setup):
+    pytest.importorskip("torch")
+    pytest.importorskip("trl")
+    from vramplan.run.tracer import trace
+
+    return trace(model, setup)
+
+
+@pytest.mark.parametrize("kw", [{}, {"batch": 2, "seq": 1024}, {"grad_accum": 2}, {"precision": "fp16"},
+                                {"method": "lora"}, {"method": "lora", "seq": 128}])
+def test_estimate_meets_the_trace_of_trls_offloader(llama2, kw):
+    setup = OFF.replace(**kw)
+    t, e = _trace(llama2, setup), estimate(llama2, setup)
+    for ph in ("forward", "backward", "optimizer"):
+        assert abs(e.phase_peaks_bytes[ph] - t.phase_peaks_bytes[ph]) <= 0.01 * t.phase_peaks_bytes[ph], ph
+    assert e.host_bytes == t.host_bytes > 0  # every host copy, byte for byte
+
+
+def test_the_offloaded_layer_inputs_leave_the_device_at_the_loss(llama2):
+    """Against checkpointing alone the trace's forward peak falls by exactly the layer inputs the
+    estimate moves to the host (c * N * h each), and the backward's top/bottom moments stay."""
+    on, off = _trace(llama2, OFF), _trace(llama2, OFF.replace(activation_offload=False))
+    saved = off.phase_peaks_bytes["forward"] - on.phase_peaks_bytes["forward"]
+    # two layer inputs, less the shifted labels' clone the manager keeps in its forward stash
+    assert saved == device_saving_bytes(llama2, OFF) == 2 * 512 * llama2.hidden_size * 2 - 8 * 512
+
+
+def test_with_adapters_the_first_input_stays_and_the_last_step_lingers(llama2):
+    """LoRA: the embedding output (a leaf, peft's enable_input_require_grads) stays on the device, and
+    TRL's curr_autograd_node keeps it and its gradient alive into the optimizer step."""
+    from vramplan.estimator.act_offload import backward_start_saving_bytes, stale_bytes
+
+    lora = OFF.replace(method="lora")
+    on, off = _trace(llama2, lora), _trace(llama2, lora.replace(activation_offload=False))
+    layer_input = 512 * llama2.hidden_size * 2
+    assert off.phase_peaks_bytes["backward"] - on.phase_peaks_bytes["backward"] >= 0
+    assert backward_start_saving_bytes(llama2, lora) == layer_input  # two layers, the first resident
+    assert on.phase_peaks_bytes["optimizer"] - off.phase_peaks_bytes["optimizer"] == stale_bytes(llama2, lora) \
+        == 2 * layer_input
+
+
+def test_the_tracer_runs_trls_own_manager(llama2):
+    pytest.importorskip("trl")
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trl.models.activation_offloading import OffloadActivations
+
+    from vramplan.run.act_offload import offload_manager
+
+    class Counter:
+        host_context = False
+        marked: list = []
+
+        def mark_host(self, t):
+            self.marked.append(t)
+
+        def unmark_host(self, t):
+            pass
+
+    from vramplan.run.act_offload import offload_step
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    counter = Counter()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")  # fake parameters, as the tracer's
+        ctx = offload_manager(model, counter, lambda t: t)
+        assert isinstance(ctx, OffloadActivations) and ctx.use_streams
+        x = torch.randn(32, 64, requires_grad=True)
+        with offload_step(ctx):
+            model(x).sum().backward()
+    # the input (8 KiB) and the ReLU output were offloaded; the weights (parameters) stayed
+    assert {tuple(t.shape) for t in counter.marked} == {(32, 64)} and len(counter.marked) >= 2
+
+
+def test_offloading_everything_can_take_more_device_memory_than_checkpointing_alone(llama2):
+    """axolotl#3733: without checkpointing TRL offloads every saved tensor, but a storage saved twice
+    within the forward stash (the norms' fp32 inputs and normalised outputs that q/k/v and gate/up all
+    save) keeps its device tensor: more stays on the GPU than checkpointing's one input per layer."""
+    import vramplan.setup_checks as checks
+
+    setup = Setup(seq=2048)
+    ckpt = _trace(llama2, setup.replace(checkpointing=True))
+    everything = pytest.MonkeyPatch()
+    everything.setattr(checks, "check_activation_offload", lambda model, s: None)  # a setup the estimate refuses
+    try:
+        offload_all = _trace(llama2, setup.replace(activation_offload=True))
+    finally:
+        everything.undo()
+    assert offload_all.phase_peaks_bytes["forward"] > ckpt.phase_peaks_bytes["forward"]
+    assert offload_all.host_bytes > 0
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    ({"checkpointing": False}, "add --checkpointing"),
+    ({"method": "qlora"}, "quantized base"),
+    ({"precision": "bf16-mixed"}, "16-bit step"),
+    ({"liger": True}, "default loss"),
+    ({"pad_mask": True}, "padded"),
+])
+def test_what_is_not_modelled_is_refused_in_one_line(kw, fragment):
+    with pytest.raises(SpecError, match=fragment):
+        estimate(load_model(LLAMA), OFF.replace(**kw))
+
+
+def test_cli_refuses_with_one_line():
+    r = CliRunner().invoke(main, ["estimate", LLAMA, "--activation-offload"])
+    assert_user_error(r, "--activation-offload", "--checkpointing")
+
+
+def test_off_by_default_and_nothing_moves_without_it():
+    m, s = load_model(LLAMA), Setup(checkpointing=True)
+    assert not s.activation_offload
+    assert device_saving_bytes(m, s) == host_bytes(m, s) == 0
+    assert not any(c.name == "activation_offload_host" for c in estimate(m, s).components)
+
+
+def test_the_host_term_is_a_host_component():
+    e = estimate(load_model(LLAMA), OFF)
+    comp = next(c for c in e.components if c.name == "activation_offload_host")
+    assert comp.where == "host" and comp.bytes == e.host_bytes > 0
+
+
+def test_the_cost_model_prices_the_copies_over_the_host_link():
+    m = load_model(LLAMA)
+    base, off = cost.step_cost(m, OFF.replace(activation_offload=False)), cost.step_cost(m, OFF)
+    assert base.offload_s == 0 < off.offload_s
+    assert off.step_s > base.step_s
+
+
+def test_plan_offloads_only_when_that_is_what_fits():
+    from vramplan.search.planner import plan
+
+    name, seq = "meta-llama/Llama-3.2-3B", 8192
+    m = load_model(name)
+    s = Setup(checkpointing=True, seq=seq, optimizer="adamw-fused")
+    need_ck, need_off = (estimate(m, x).device_total_bytes for x in (s, s.replace(activation_offload=True)))
+    fixed = {"seq": seq, "method": "full", "liger": False, "global_batch": 1, "optimizer": "adamw-fused"}
+    tight = plan(name, int((need_ck + need_off) / 2 / 0.9), **fixed)
+    roomy = plan(name, int(need_ck / 0.8), **fixed)
+    assert tight.setup.activation_offload and tight.setup.checkpointing
+    assert not roomy.setup.activation_offload
+
+
+def test_writers_emit_the_framework_keys():
+    m = load_model(LLAMA)
+    assert axolotl_config(OFF, m, model_id=LLAMA)["activation_offloading"] is True
+    assert trl_config(OFF, m, model_id=LLAMA)["activation_offloading"] is True
+    assert "activation_offloading" not in trl_config(OFF.replace(activation_offload=False), m, model_id=LLAMA)
+    assert refusal("llamafactory", OFF, m).startswith("activation_offload ")
+    assert refusal("torchtune", OFF, m).startswith("activation_offload ")
+
+
+def test_the_train_script_runs_the_step_under_trls_manager():
+    from vramplan.emit.trainer import script_plan, train_script
+    from vramplan.profiles import load_gpu
+    from vramplan.specs import Plan
+
+    m, gpu = load_model(LLAMA), load_gpu("h100-80gb")
+
+    def plan_of(s):
+        return Plan(model=m.name, setup=s, breakdown=estimate(m, s, gpu), gpu=gpu)
+
+    assert script_plan(plan_of(OFF), m)["activation_offload"] is True
+    assert "activation_offload" not in script_plan(plan_of(OFF.replace(activation_offload=False)), m)
+    script = train_script(plan_of(OFF), m)
+    assert "get_act_offloading_ctx_manager(model=self.model)" in script
+    assert 'OffloadingTrainer if PLAN.get("activation_offload") else Trainer' in script
+
+
+@pytest.mark.parametrize("fmt, text, expect", [
+    ("axolotl", "base_model: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: true\n",
+     True),
+    ("axolotl", "base_model: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: legacy\n",
+     False),
+    ("trl", "model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: true\n"
+     "label_smoothing_factor: 0.1\n", True),  # transformers' full-logits loss: modelled
+    ("trl", "model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: true\n",
+     False),  # TRL's fused LM head (loss trl): not modelled with offloading, said so
+])
+def test_readers_map_the_key(tmp_path, fmt, text, expect):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    read = read_config(path, format=fmt)
+    assert read.setup.activation_offload is expect
+    fields = {w.field for w in read.warnings}
+    assert ("activation_offloading" in fields) == (fmt == "axolotl" or not expect)  # assumed / ignored, said so
+
+
+def test_torchtunes_offloading_is_not_trls(tmp_path):
+    from pathlib import Path
+
+    src = Path(__file__).parent / "data/configs/torchtune/llama3_2_1B_full_single_device.yaml"
+    path = tmp_path / src.name
+    on = "enable_activation_offloading: True"
+    path.write_text(src.read_text().replace("enable_activation_offloading: False", on))
+    read = read_config(path)
+    assert not read.setup.activation_offload
+    assert "enable_activation_offloading" in {w.field for w in read.warnings}
+
+
+def test_validate_has_the_knob():
+    from vramplan.validate import KNOBS, matrix
+
+    assert "activation_offload" in KNOBS
+    assert any(c.knob == "activation_offload" for c in matrix(quick=True))
+    assert sum(c.knob == "activation_offload" for c in matrix()) >= 9
+
+
+def test_an_axolotl_config_written_with_offloading_reads_back_with_it(tmp_path):
+    import yaml
+
+    m = load_model(LLAMA)
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(yaml.safe_dump(axolotl_config(OFF, m, model_id=LLAMA)))
+    read = read_config(path)
+    assert read.setup.activation_offload and read.setup.checkpointing
+    assert estimate(m, read.setup).host_bytes == host_bytes(m, read.setup) > 0
