@@ -282,3 +282,36 @@ def test_axolotl_rl_modes_not_read_are_said(tmp_path):
     read = read_config(path)
     assert read.format == "axolotl" and read.setup.objective == "sft"
     assert any("rl" in str(w) and "SFT step" in str(w) for w in read.warnings)
+
+
+def test_trl_grpo_command_line_reads_grpoconfig_fields(tmp_path):
+    """``trl grpo``: per_device_train_batch_size counts completions (16 / 8 generations = 2 prompts),
+    beta's default 0.0 loads no reference, use_vllm colocate carries its share; prompts are not
+    truncated by GRPOConfig 1.16, so their length is an assumption the reader states."""
+    from vramplan.readers import read_config
+
+    path = tmp_path / "run.sh"
+    path.write_text("trl grpo --model_name_or_path Qwen/Qwen2.5-7B --dtype bfloat16 --use_peft --lora_r 16 \\\n"
+                    "  --per_device_train_batch_size 16 --num_generations 8 --max_completion_length 1024 \\\n"
+                    "  --use_vllm true --vllm_gpu_memory_utilization 0.4\n")
+    read = read_config(path)
+    s = read.setup
+    assert (s.objective, s.batch, s.num_generations, s.max_completion_length) == ("grpo", 2, 8, 1024)
+    assert (s.max_prompt_length, s.seq, s.ref_model) == (512, 1536, "none")
+    assert (s.generation, s.vllm_memory_fraction) == ("vllm-colocate", 0.4)
+    assert any(w.field == "max_prompt_length" and w.kind == "assumed" for w in read.warnings)
+    path.write_text(path.read_text().replace("--use_vllm true --vllm_gpu_memory_utilization 0.4", "--beta 0.04"))
+    s = read_config(path).setup
+    assert (s.generation, s.ref_model) == ("hf", "auto")
+    path.write_text(path.read_text().replace("batch_size 16", "batch_size 12"))
+    out = CliRunner().invoke(main, ["estimate", str(path)])
+    assert out.exit_code == 2 and "not a multiple of num_generations 8" in out.output
+
+
+def test_trl_dpo_precomputed_reference_is_read(tmp_path):
+    from vramplan.readers import read_config
+
+    path = tmp_path / "run.sh"
+    path.write_text("trl dpo --model_name_or_path Qwen/Qwen2.5-7B --dtype bfloat16 --per_device_train_batch_size 2 "
+                    "--max_length 1024 --precompute_ref_log_probs true\n")
+    assert read_config(path).setup.ref_model == "precomputed"

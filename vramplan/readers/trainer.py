@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import SpecError
 from .common import TORCH_COMPILE_WHY, Fields, Mapped, attn_from_name, optimizer_from_name
 from .hf_fields import TRAINING_ARGUMENTS, TRANSFORMERS_VERSION, TRL_FIELDS, TRL_VERSION
 from .launch import read_deepspeed_file, read_fsdp
@@ -219,6 +220,44 @@ def trl_trainer_fields(f: Fields, m: Mapped, *, sft: bool = True) -> None:
             m.setup["activation_offload"] = True
 
 
+def objective_fields(f: Fields, m: Mapped) -> None:
+    """DPOConfig / KTOConfig / GRPOConfig (TRL 1.16) fields that set the objective's memory
+    (estimator/objectives.py). GRPO: ``per_device_train_batch_size`` counts completions (default 8),
+    ``num_generations`` 8, ``max_completion_length`` 512, ``beta`` 0.0 (no reference model),
+    ``use_vllm`` False, ``vllm_mode`` "colocate", ``vllm_gpu_memory_utilization`` 0.3; GRPOConfig has no
+    prompt truncation (no ``max_prompt_length`` in 1.16)."""
+    s = m.setup
+    objective = s.get("objective")
+    if objective in ("dpo", "kto") and f.bool("precompute_ref_log_probs", False):
+        s["ref_model"] = "precomputed"
+    if objective != "grpo":
+        return
+    gens, completion = f.int("num_generations", 8), f.int("max_completion_length", 512)
+    per_device = f.int("per_device_train_batch_size", 8)
+    if gens < 1 or completion < 1:
+        raise SpecError("num_generations and max_completion_length must be positive")
+    if per_device % gens:
+        raise SpecError(f"per_device_train_batch_size {per_device} is not a multiple of num_generations {gens}: "
+                        f"vramplan models whole groups of completions per micro-batch (--batch is prompts: "
+                        f"per_device_train_batch_size / num_generations)")
+    s["num_generations"], s["max_completion_length"], s["batch"] = gens, completion, per_device // gens
+    prompt = f.int("max_prompt_length", None)
+    if prompt is None:  # 512: GRPOConfig's max_prompt_length default before TRL 1.0 removed it
+        prompt = 512
+        m.assume("max_prompt_length", None, "GRPOConfig (TRL 1.16) does not truncate prompts: prompts of 512 "
+                 "tokens assumed (the old max_prompt_length default; --max-prompt-length to change it)")
+    s["max_prompt_length"], s["seq"] = prompt, prompt + completion
+    if f.float("beta", 0.0) == 0.0:  # GRPOTrainer loads no reference model at beta 0
+        s["ref_model"] = "none"
+    if f.bool("use_vllm", False):
+        mode = f.str("vllm_mode", "colocate")
+        if mode not in ("colocate", "server"):
+            raise SpecError(f"vllm_mode must be colocate or server; got {mode!r}")
+        s["generation"] = f"vllm-{mode}"
+        if mode == "colocate":
+            s["vllm_memory_fraction"] = f.float("vllm_gpu_memory_utilization", 0.3)
+
+
 def trl_loss_precision(m: Mapped) -> None:
     """``--loss trl`` is modelled without autocast (estimator/objectives.py ``check_trl_sft``): a
     mixed-precision TRL run is read with transformers' full-logits loss, and says so."""
@@ -259,7 +298,8 @@ def read_trl(data: dict, path: Path, m: Mapped) -> None:
     m.model = f.str("model_name_or_path")
     amp = training_arguments(f, path, m, trl=True)
     s = m.setup
-    trl_trainer_fields(f, m, sft="objective" not in s)  # trl dpo|kto: the objective's own head
+    trl_trainer_fields(f, m, sft="objective" not in s)  # trl dpo|kto|grpo: the objective's own head
+    objective_fields(f, m)
     s["attn"] = attn_from_name(f.str("attn_implementation"), m, "attn_implementation")
     load = _load_dtype(f, "fp32", m)  # ModelConfig.dtype defaults to float32
     four, eight = f.bool("load_in_4bit", False), f.bool("load_in_8bit", False)

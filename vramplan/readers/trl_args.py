@@ -32,9 +32,9 @@ __all__ = ["COMMAND_SUFFIXES", "TRL_COMMANDS", "args_fields", "parse_flags", "re
 COMMAND_SUFFIXES = (".sh", ".bash", ".txt", ".cmd")
 #: ``trl`` subcommands (trl 1.16 ``trl/cli/main.py``)
 TRL_COMMANDS = ("sft", "dpo", "grpo", "kto", "reward", "rloo")
-#: TRL 1.16 subcommands read as an objective (``trl grpo``'s generation knobs are not read from flags yet: SFT's
-#: step is read, as before; ORPO has no ``trl`` subcommand in 1.16)
-TRL_OBJECTIVES = {"trl dpo": "dpo", "trl kto": "kto"}
+#: TRL 1.16 subcommands read as an objective (their configs' fields: readers/trainer.py ``objective_fields``;
+#: ORPO has no ``trl`` subcommand in 1.16)
+TRL_OBJECTIVES = {"trl dpo": "dpo", "trl kto": "kto", "trl grpo": "grpo"}
 _TRUE = ("yes", "true", "t", "y", "1")
 _FALSE = ("no", "false", "f", "n", "0")
 #: launcher flags taking a value (accelerate launch 1.15, torchrun, TRL's own launch flags)
@@ -185,7 +185,7 @@ def read_command_file(path: Path, m: Mapped) -> tuple[str, dict]:
     except ValueError as exc:
         raise SpecError(f"{path}: cannot split the command line: {exc}") from None
     launcher, script, name = split_command(tokens)
-    if name in TRL_OBJECTIVES:  # trl dpo|kto: DPOTrainer / KTOTrainer (estimator/objectives.py)
+    if name in TRL_OBJECTIVES:  # trl dpo|kto|grpo: DPOTrainer / KTOTrainer / GRPOTrainer (estimator/objectives.py)
         m.setup["objective"] = TRL_OBJECTIVES[name]
     data = args_fields(script, m, base=path)
     # a TRL script (trl sft, trl/scripts/sft.py) or TRL's own fields: TRL's defaults; else a
