@@ -220,12 +220,15 @@ def test_more_memory_never_makes_a_plan_slower(small, extra, model):
     free_more = vramplan.plan(model, GpuSpec.custom((small + extra) * GiB), global_batch=16, relax=False)
     if free_less.fits and not free_less.tight:
         # free method: more memory never makes the plan less GPU-resident; at the same residency it
-        # never lowers the quality tier, and at the same tier never the speed (a plan that offloads on
+        # never lowers the quality tier but to pass over one more than TIER_SLOWDOWN_MAX slower (and
+        # says so), and at the same tier never the speed (a plan that offloads on
         # the smaller card may give way to a lower tier that stays on the larger one: residency first)
         assert free_more.fits and residency(free_more.setup) <= residency(free_less.setup)
         if residency(free_more.setup) < residency(free_less.setup):
             return
-        assert tier(free_more.setup) >= tier(free_less.setup)
+        if tier(free_more.setup) < tier(free_less.setup):  # a better tier passed over for speed (rank.pick_tier)
+            assert any(n.kind == "higher_tier_slower" for n in free_more.notes), free_more.notes
+            return
         if tier(free_more.setup) == tier(free_less.setup):
             assert free_more.tokens_per_s >= free_less.tokens_per_s / (1 + LIGER_MIN_GAIN) * 0.999
 

@@ -56,12 +56,12 @@ def measured():
     for base, world, matrix in ((TINY_BASE, 1, N1), (TINY_BASE, 2, N2), (MOE, 2, N2_MOE), (WIDE_MOE, 2, N2_WIDE_MOE)):
         setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in matrix]
         for run, est in compare_setups(setups, world, base):
-            out[(base, world, tuple(sorted(run.setup.to_dict().items())))] = (run, est)
+            out[(base, world, run.setup)] = (run, est)
     return out
 
 
 def _key(world, kw, base=TINY_BASE):
-    return (base, world, tuple(sorted(Setup(**kw, gpus=world, seq=TINY_SEQ).to_dict().items())))
+    return (base, world, Setup(**kw, gpus=world, seq=TINY_SEQ))
 
 
 @pytest.mark.parametrize(("base", "world", "kw"), CASES,

@@ -68,6 +68,7 @@ from .cost_counts import (  # noqa: F401  (re-exported: vramplan.cost is the pub
 )
 from .estimator import trainable_params, weights_bytes
 from .estimator.act_offload import exposed_copy_bytes_per_micro_step as act_offload_bytes
+from .estimator.hybrid_shard import replica_bytes, shard_nodes, shard_ranks
 from .estimator.layer_split_memory import copy_bytes_per_micro_step as split_copy_bytes
 from .estimator.precision import compute_bytes
 from .estimator.selective import checkpointed_count
@@ -362,7 +363,7 @@ def cpu_optimizer(setup: Setup) -> bool:
 def optimizer_update_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> float:
     """One optimizer step's update of this GPU's share of the trainable parameters (offloaded: the
     gradients of every micro-step down, the 16-bit parameters up, the update on the host)."""
-    n = k.trainable_params / (setup.gpus if sharding_stage(setup) >= 1 else setup.tp)  # TP: this GPU's shard
+    n = k.trainable_params / (shard_ranks(setup) if sharding_stage(setup) >= 1 else setup.tp)  # TP: this GPU's
     w = 4.0 if setup.adapters else _weight_bytes_per_param(setup)
     if cpu_optimizer(setup):
         nvme = setup.offload_optimizer == "nvme"
@@ -402,9 +403,9 @@ def sharded_params(setup: Setup) -> bool:
 def comm_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> tuple[float, float]:
     """(seconds per micro-step, seconds per optimizer step) of DDP / ZeRO-1/2 / SHARD_GRAD_OP
     collectives, before overlap. Sharded parameters (ZeRO-3, FULL_SHARD) are :func:`fitted_units`."""
-    n = setup.gpus
+    n = shard_ranks(setup)  # hybrid sharding: the shard group's collectives (estimator/hybrid_shard.py)
     if n == 1 or sharded_params(setup) or setup.device_map != "none" or setup.tp > 1:  # no data-parallel ones
-        return 0.0, 0.0
+        return 0.0, replica_bytes(k.trainable_params, setup) / ring_bandwidth(gpu, nodes)  # (but hybrid's)
     ring = (n - 1) / n
     G, W = _grad_bytes(setup, k), k.weight_bytes
     per_micro = per_step = 0.0
@@ -417,8 +418,8 @@ def comm_s(setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> tuple[fl
         per_micro += ring * G  # reduce-scatter every micro-step into the partitioned gradients
         if setup.fsdp == "none":  # all-gather the updated partitions (FSDP: the next forward does)
             per_step += ring * (G if setup.adapters else W)
-    bw = ring_bandwidth(gpu, nodes)
-    return per_micro / bw, per_step / bw
+    bw = ring_bandwidth(gpu, shard_nodes(setup, nodes))  # + hybrid sharding's all-reduce across the replicas:
+    return per_micro / bw, per_step / bw + replica_bytes(k.trainable_params, setup) / ring_bandwidth(gpu, nodes)
 
 
 def fitted_units(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, nodes: int, k: Counts) -> dict[str, float]:
@@ -428,9 +429,9 @@ def fitted_units(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, nodes: int
     rate = peak_flops(gpu, setup) * batch_efficiency(tokens)
     shard = 0.0
     if sharded_params(setup):
-        ring = (setup.gpus - 1) / setup.gpus
+        ring = (shard_ranks(setup) - 1) / shard_ranks(setup)  # hybrid: gathers within the shard group
         shard = ga * ring * (_grad_bytes(setup, k) + passes_per_micro_step(setup) * k.gathered_weight_bytes)
-        shard /= ring_bandwidth(gpu, nodes)
+        shard /= ring_bandwidth(gpu, shard_nodes(setup, nodes))  # (hybrid: the all-reduce is comm_s's)
     return {
         "compute": ga * tokens * executed_flops_per_token(model, setup, k) / rate,
         "recompute": ga * tokens * recompute_flops_per_token(model, setup, k) / rate,

@@ -100,10 +100,18 @@ class Measurement:
 # identity and provenance
 
 
+def setup_identity(setup: Setup) -> dict:
+    """The fields of ``setup`` that differ from Setup's defaults: a key built from them stays the
+    same when a later version adds a knob (which defaults off), so a sweep does not re-run what it
+    has recorded."""
+    defaults = Setup().to_dict()
+    return {k: v for k, v in setup.to_dict().items() if k not in defaults or v != defaults[k]}
+
+
 def measurement_key(model: str, setup: Setup, device: str, emulate_gpu: str | None = None,
                     scale: dict | None = None, hardware: str = "") -> str:
     """What makes two measurements the same experiment (the sweep skips recorded keys)."""
-    ident = {"model": model, "setup": setup.to_dict(), "device": device, "emulate_gpu": emulate_gpu,
+    ident = {"model": model, "setup": setup_identity(setup), "device": device, "emulate_gpu": emulate_gpu,
              "scale": scale, "hardware": hardware}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

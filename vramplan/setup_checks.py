@@ -42,7 +42,10 @@ def lora_targets(model: ModelSpec, setup: Setup) -> tuple[list[LinearSpec], list
 #: leaves this table in the change that models it (estimator term, truth, validate knob).
 NOT_MODELLED: dict[str, str] = {
     "cp": "context parallelism (accelerate ParallelismConfig cp_size) is not modelled yet: accelerate 1.15 runs it "
-          "under FSDP2 only (Accelerator.maybe_context_parallel: torch's experimental ring attention over CUDA SDPA)",
+          "under FSDP2 only (Accelerator.maybe_context_parallel: torch 2.13's ring attention, which takes CUDA's "
+          "flash/efficient/cudnn SDPA only); its truth runs here (vramplan.run.cp_truth, a CPU stand-in for the "
+          "per-block kernel) and puts the ring's K/V and gradient buffers at 1-12 % over FSDP2 at seq/cp (cp 2-4, "
+          "tiny Llama); those buffers are not in the estimate yet",
 }
 
 _SETUP_DEFAULTS = Setup()
@@ -72,7 +75,11 @@ def check_fsdp2(model: ModelSpec, setup: Setup) -> None:
     elif setup.gpus < 2:
         why = "FSDP2 on one GPU is not modelled yet; use 2+ GPUs"
     elif setup.offload_params != "none":
-        why = "FSDP2 CPU offload (CPUOffloadPolicy) is not modelled yet: it cannot be verified without a GPU"
+        # tests/test_emitted_multi_gpu_runs.py: it runs on gloo CPU ranks, but its copies do not happen there
+        why = ("FSDP2 CPU offload (CPUOffloadPolicy) is not modelled yet: torch 2.13's fully_shard runs it on CPU "
+               "ranks, but there its host-to-GPU shard copies and GPU-to-host gradient copies are no-ops (same "
+               "storage), so a CPU truth needs stand-in copies for both, and none is verified yet; use "
+               "--fsdp-version 1 (its CPU offload is modelled)")
     elif model_moe:
         why = ("FSDP2 on a mixture-of-experts model is not modelled yet (its ranks' peaks differ by 5-11 % "
                "on the tiny Mixtral run); use --fsdp-version 1")
@@ -90,7 +97,8 @@ def check_fsdp2(model: ModelSpec, setup: Setup) -> None:
 
 #: Setup knobs FSDP2 refuses away from their defaults (vramplan.run.fsdp2 runs none of them).
 _FSDP2_UNRUN = ("loss", "liger", "dora", "modules_to_save", "activation_offload", "checkpoint_every",
-                "optimizer_in_backward", "objective", "eval_batch", "tp", "cp", "padding_free")
+                "optimizer_in_backward", "objective", "eval_batch", "cp", "padding_free")
+# (--tp beside FSDP2: estimator/tp_fsdp2.py check_tp_fsdp2 refuses what run/tp_fsdp2.py does not run)
 
 
 def check_liger(model: ModelSpec, setup: Setup) -> None:
@@ -160,6 +168,10 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
     check_fsdp2(model, setup)
+    if setup.dp_replicate > 1:  # hybrid sharding: what its truths do not run is refused
+        from .estimator.hybrid_shard import check_hybrid
+
+        check_hybrid(model, setup)
     if setup.activation_offload:  # modelled for what estimator/act_offload.py names; the rest refused
         check_activation_offload(model, setup)
     if setup.liger:

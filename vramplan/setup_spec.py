@@ -105,12 +105,19 @@ class Setup:
     # ---- model parallelism ----------------------------------------------------------------------
     #: layers split over ``gpus`` GPUs of one process (accelerate ``device_map``)
     device_map: str = "none"
+    #: with ``device_map``: accelerate's ``max_memory``, one cap in bytes per GPU index (vramplan/max_memory.py);
+    #: () for each GPU's free memory
+    max_memory: tuple[int, ...] = ()
     #: tensor-parallel degree (transformers ``tp_plan="auto"``, accelerate ``ParallelismConfig(tp_size)``)
     tp: int = 1
     #: context-parallel degree (accelerate ``ParallelismConfig(cp_size)``)
     cp: int = 1
     #: accelerate ``fsdp_version``: 1 (FSDP1's FlatParameter) or 2 (``fully_shard``, DTensor)
     fsdp_version: int = 1
+    #: hybrid sharding (HSDP): FSDP shards within groups of ``gpus // dp_replicate`` GPUs and replicates
+    #: across ``dp_replicate`` groups (accelerate ``ParallelismConfig(dp_replicate_size, dp_shard_size)``
+    #: under FSDP2; FSDP1's HYBRID_SHARD / HYBRID_SHARD_ZERO2, one group per node). 1: off
+    dp_replicate: int = 1
     # ---- objective ------------------------------------------------------------------------------
     #: TRL 1.16's trainer (estimator/objectives.py). ``seq`` is a row's length: DPO's ``max_length``
     #: (prompt + completion; chosen and rejected rows both), GRPO's prompt + ``max_completion_length``.
@@ -229,7 +236,9 @@ class Setup:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["max_memory"] = list(self.max_memory)  # JSON's and YAML's list (from_dict takes it back)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Setup:
@@ -293,6 +302,24 @@ def _check_parallelism(s: Setup) -> None:
         raise SpecError(f"fsdp_version must be 1 or 2; got {s.fsdp_version!r}")
     if s.fsdp_version == 2 and s.fsdp == "none":
         raise SpecError("fsdp_version 2 is FSDP2: give a sharding strategy with --fsdp")
+    check_positive("dp_replicate", s.dp_replicate)
+    if s.dp_replicate > 1:
+        if s.fsdp not in ("full_shard", "shard_grad_op"):
+            raise SpecError("dp_replicate (hybrid sharding) replicates FSDP shard groups: use --fsdp full_shard or "
+                            "shard_grad_op")
+        if s.gpus % s.dp_replicate or s.gpus // s.dp_replicate < 2:
+            raise SpecError(f"gpus ({s.gpus}) must be dp_replicate ({s.dp_replicate}) groups of 2 or more GPUs each "
+                            "(hybrid sharding shards within a group)")
+    if isinstance(s.max_memory, (list, str, dict)):  # a file's list of bytes or accelerate's {0: "20GiB"}, text
+        from .max_memory import parse_max_memory
+
+        caps = s.max_memory
+        if isinstance(caps, dict):
+            caps = ",".join(f"{k}={v}" for k, v in caps.items())
+        caps = parse_max_memory(caps, "max_memory") if isinstance(caps, str) else caps
+        object.__setattr__(s, "max_memory", tuple(caps))
+    if s.max_memory != ():
+        _check_max_memory(s)
     if s.device_map != "none":
         if s.gpus < 2:
             raise SpecError("device_map splits the layers over the GPUs of one process: use --gpus 2 or more")
@@ -310,6 +337,19 @@ def _check_parallelism(s: Setup) -> None:
         raise SpecError(f"gpus ({s.gpus}) must be a multiple of tp x cp ({s.tp} x {s.cp})")
     if (s.tp > 1 or s.cp > 1) and s.zero_stage:
         raise SpecError("tensor/context parallelism runs with FSDP2 data sharding (--fsdp), not DeepSpeed ZeRO")
+
+
+def _check_max_memory(s: Setup) -> None:
+    """accelerate's per-GPU caps: with a layer split, one positive byte count per GPU."""
+    from .max_memory import check_caps
+
+    if not isinstance(s.max_memory, tuple):
+        raise SpecError("max_memory must be a list of byte counts, one per GPU (0=20GiB,1=24GiB on the command line)")
+    check_caps(s.max_memory)
+    if s.device_map == "none":
+        raise SpecError("max_memory caps the GPUs of a layer split: add --device-map auto, balanced or sequential")
+    if len(s.max_memory) != s.gpus:
+        raise SpecError(f"max_memory gives {len(s.max_memory)} GPU caps for {s.gpus} GPUs (--gpus): give one per GPU")
 
 
 def _check_objective(s: Setup) -> None:

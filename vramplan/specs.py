@@ -214,18 +214,20 @@ class Breakdown:
 #: ``flash_attn`` needs flash-attn; ``duration`` the run's time; ``speed_model`` how speed is
 #: modelled; ``estimate`` a note of the estimate; ``text`` a note read back from a plan file;
 #: ``lower_tier_faster`` a plan of a lower quality tier is much faster (named, not chosen);
+#: ``higher_tier_slower`` a better tier fits but is over search.rank.TIER_SLOWDOWN_MAX slower (passed over);
 #: ``offload`` the plan offloads because nothing resident fits; ``host_ram_source`` which host
 #: RAM the plan was checked against; DPO/GRPO (search/explain_objectives.py): ``objective_speed`` the
 #: step's time by phase, ``generation`` GRPO's engine and vLLM's share, ``reference`` DPO's reference.
 NoteKind = Literal["no_fit", "gpu_only", "what_would_fit", "nothing_would_fit", "tight", "quality", "micro_batch",
                    "host_ram", "flash_attn", "duration", "speed_model", "estimate", "text", "lower_tier_faster",
-                   "offload", "host_ram_source", "objective_speed", "generation", "reference"]
+                   "offload", "host_ram_source", "objective_speed", "generation", "reference",
+                   "higher_tier_slower"]
 
 #: What a why-not line says: ``too_big`` a family of a higher tier does not fit; ``needs_offload``
 #: it fits only with CPU/NVMe offload (or, on one GPU, a distributed engine) while a resident plan
 #: fits; ``tight`` it fits only inside the margins; ``faster_setting`` a faster setting of the
-#: chosen family (other savers, the next micro-batch) does not fit; ``too_slow``: plan files of
-#: earlier versions.
+#: chosen family (other savers, the next micro-batch) does not fit; ``too_slow``: it fits but is
+#: slower than the plan (tensor parallelism; a better tier over search.rank.TIER_SLOWDOWN_MAX).
 RejectKind = Literal["too_big", "needs_offload", "tight", "faster_setting", "too_slow"]
 
 

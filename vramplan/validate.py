@@ -38,7 +38,8 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
          "selective_checkpointing",
          "moe", "loss", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
-         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "ddp", "device_map", "tp", "device_overheads",
+         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map", "tp",
+         "device_overheads",
          "measured", "dpo", "orpo", "kto", "grpo", "eval")
 
 #: Where `vramplan measure` / `sweep` append their records (vramplan.measure.RECORDS_DIR).
@@ -266,6 +267,9 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             layer_split_truth = None
         if layer_split_truth is not None:
             rows += layer_split_truth.layer_split_rows(quick)
+            from .run.max_memory_truth import max_memory_rows  # the same placement under --max-memory caps
+
+            rows += max_memory_rows(quick)
     if "fsdp2" in wanted:
         try:
             from .run import fsdp2  # FSDP2 (fully_shard through accelerate) on N gloo ranks
@@ -273,6 +277,13 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             fsdp2 = None
         if fsdp2 is not None:
             rows += fsdp2.fsdp2_rows(quick)
+    if "hybrid_shard" in wanted:
+        try:
+            from .run import hsdp_truth  # hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD) on 4 gloo ranks
+        except ImportError:
+            hsdp_truth = None
+        if hsdp_truth is not None:
+            rows += hsdp_truth.hsdp_rows(quick)
     if "tp" in wanted:
         try:
             from .run import tp_truth  # tensor parallelism: transformers' DTensor plan on N gloo ranks
@@ -280,6 +291,9 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             tp_truth = None
         if tp_truth is not None:
             rows += tp_truth.tp_rows(quick)
+            from .run.tp_fsdp2 import tp_fsdp2_rows  # beside FSDP2 sharding (tp x dp_shard) on 4 gloo ranks
+
+            rows += tp_fsdp2_rows(quick)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "

@@ -59,11 +59,16 @@ def describe(setup: Setup) -> str:
     if setup.tp > 1:  # transformers' tp_plan: every layer sharded over the GPUs
         parts.append(f"tensor parallel (tp {setup.tp})")
     if setup.device_map != "none":  # one process, the layers over the GPUs
-        parts.append(f"layer split (device_map={setup.device_map})")
+        from .max_memory import caps_text
+
+        caps = f", max_memory {caps_text(setup.max_memory)}" if setup.max_memory else ""
+        parts.append(f"layer split (device_map={setup.device_map}{caps})")
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
     if setup.fsdp != "none":
-        parts.append(f"FSDP{'2' if setup.fsdp_version == 2 else ''} {setup.fsdp.upper()}")
+        parts.append(f"FSDP{'2' if setup.fsdp_version == 2 else ''} {setup.fsdp.upper()}" + (
+            f" hybrid ({setup.dp_replicate} replicas x {setup.gpus // setup.dp_replicate} GPUs)"
+            if setup.dp_replicate > 1 else ""))
     if setup.offload_optimizer != "none":
         parts.append(f"optimizer offload to {setup.offload_optimizer}")
     if setup.offload_params != "none":

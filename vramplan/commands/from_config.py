@@ -91,6 +91,10 @@ def print_as_written(read, source, bd) -> None:
 
 
 def _shown(value) -> str:
+    if isinstance(value, tuple):  # --max-memory's caps, as the flag takes them
+        from ..max_memory import caps_text
+
+        return caps_text(value) if value else "none"
     return "on" if value is True else "off" if value is False else str(value)
 
 

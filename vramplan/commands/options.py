@@ -155,6 +155,22 @@ class Count(click.ParamType):
         return number
 
 
+class MaxMemory(click.ParamType):
+    """``--max-memory 0=20GiB,1=24GiB``: accelerate's per-GPU caps (vramplan/max_memory.py)."""
+
+    name = "INDEX=SIZE,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        from ..max_memory import parse_max_memory
+
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_max_memory(str(value))
+        except SpecError as exc:
+            self.fail(str(exc).removeprefix("--max-memory").lstrip(": "), param, ctx)
+
+
 def _stage(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     return None if value is None else int(value)
 
@@ -249,10 +265,16 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "Per-device eval batch when the run evaluates (0: no eval step)."),
     SetupOption("device_map", "--device-map", click.Choice(DEVICE_MAPS),
                 "Split the layers over --gpus GPUs in one process (accelerate device_map)."),
+    SetupOption("max_memory", "--max-memory", MaxMemory(),
+                "With --device-map: accelerate's max_memory per GPU, e.g. 0=20GiB,1=24GiB  [default: each GPU's "
+                "free memory]", show_default=False),
     SetupOption("tp", "--tp", Count("tp"), "Tensor-parallel degree (transformers tp_plan=auto; --gpus equal to it)."),
     SetupOption("cp", "--cp", Count("cp"), "Context-parallel degree."),
     SetupOption("fsdp_version", "--fsdp-version", click.Choice(["1", "2"]),
                 "accelerate fsdp_version: 1 (FlatParameter) or 2 (fully_shard).", callback=_stage),
+    SetupOption("dp_replicate", "--dp-replicate", Count("dp_replicate"),
+                "Hybrid sharding (HSDP): FSDP shards within --gpus/N GPUs, replicated N times (accelerate "
+                "dp_replicate_size; FSDP1 HYBRID_SHARD, N = nodes)."),
     SetupOption("objective", "--objective", click.Choice(OBJECTIVES), "Training objective (TRL's trainers)."),
     SetupOption("max_prompt_length", "--max-prompt-length", Count("max_prompt_length", minimum=0),
                 "DPO/GRPO prompt tokens (0: from --seq)."),

@@ -84,6 +84,7 @@ _MORE_KNOBS = {
     "offload_params": "[default: searched]",
     "fsdp": "Fix PyTorch FSDP sharding instead of ZeRO (none: no FSDP)  [default: searched on several GPUs]",
     "fsdp_version": "accelerate fsdp_version: 2 fixes FSDP2 (fully_shard; needs --fsdp)  [default: 1]",
+    "dp_replicate": "Hybrid sharding: FSDP shards within --gpus/N GPUs, N replicas (needs --fsdp)  [default: 1]",
     "loss": "[default: hf]",
     "liger": "Liger kernels  [default: searched where modelled, chosen only when a plain stack does not fit]",
     "dora": "DoRA adapters (peft use_dora)  [default: no]",
@@ -313,7 +314,8 @@ def print_plan(plan) -> None:
     if plan.fits:
         share = bd.headroom_bytes / usable if usable else 0.0
         console.print(f"headroom {bd.headroom_bytes / 2**30:.1f} GiB ({share:.0%}) · peak in {bd.phase}"
-                      + (f" · host RAM {bd.host_bytes / 2**30:.1f} GiB offloaded per GPU" if bd.host_bytes else ""))
+                      + (f" · host RAM {bd.host_bytes / 2**30:.1f} GiB per GPU" if bd.host_bytes else "")
+                      + (f" · NVMe {nvme / 2**30:.1f} GiB per GPU" if (nvme := bd.component("nvme_offload")) else ""))
         split = plan.setup.device_map != "none"
         ranks = f" x {plan.setup.gpus} GPUs" if plan.setup.gpus > 1 and not split and plan.setup.tp == 1 else ""
         ranks += "; one process, the layers split over the GPUs" if split else ""

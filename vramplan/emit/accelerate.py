@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import yaml
 
-from ..specs import Plan
-from .common import DS_CONFIG, FSDP_STRATEGIES, MAIN_PORT, comment, fsdp_mode, header_lines
+from ..estimator.tp_fsdp2 import combined, dp_shard
+from ..specs import Plan, SpecError
+from .common import DS_CONFIG, MAIN_PORT, comment, fsdp1_strategy, fsdp_mode, header_lines
 
 #: Setup.precision -> accelerate's mixed_precision under FSDP: the "-mixed" precisions run FSDP's
 #: MixedPrecision over fp32 shards (accelerate upcasts trainable shards); pure bf16/fp16 run
@@ -38,11 +39,13 @@ def accelerate_config(plan: Plan) -> dict:
         if plan.nodes > 1:
             ds["deepspeed_multinode_launcher"] = "standard"
         cfg["deepspeed_config"] = ds
+    elif combined(s):  # --tp beside FSDP2: transformers shards both at load (estimator/tp_fsdp2.py)
+        cfg.update(_tp_fsdp2_config(s))
     elif fsdp != "none":
         cfg["distributed_type"] = "FSDP"
         cfg["fsdp_config"] = _fsdp2_config(plan) if s.fsdp_version == 2 else {
             "fsdp_version": 1,
-            "fsdp_sharding_strategy": FSDP_STRATEGIES[fsdp],
+            "fsdp_sharding_strategy": fsdp1_strategy(s),
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_backward_prefetch": "BACKWARD_PRE",
             "fsdp_offload_params": s.offload_params == "cpu",
@@ -52,6 +55,8 @@ def accelerate_config(plan: Plan) -> dict:
             "fsdp_use_orig_params": True,
         }
         cfg["mixed_precision"] = MIXED_PRECISION[s.precision]
+        if s.dp_replicate > 1:
+            _hybrid(plan, cfg)
     else:
         # a layer split (device_map) is one process over every GPU: no data parallelism
         cfg["distributed_type"] = "MULTI_GPU" if s.gpus > 1 and s.device_map == "none" else "NO"
@@ -88,6 +93,37 @@ def _fsdp2_config(plan: Plan) -> dict:
         "fsdp_cpu_ram_efficient_loading": True,
         "fsdp_sync_module_states": True,
     }
+
+
+def _hybrid(plan: Plan, cfg: dict) -> None:
+    """Hybrid sharding (estimator/hybrid_shard.py). FSDP2: accelerate 1.15's ``parallelism_config``
+    mapping (``accelerate launch`` copies its keys onto its ``--parallelism_config_*`` arguments and
+    exports them as PARALLELISM_CONFIG_* with ACCELERATE_USE_PARALLELISM_CONFIG, from which
+    ``Accelerator`` builds ``ParallelismConfig``: utils/launch.py prepare_extend_env_parallelism_config).
+    FSDP1: HYBRID_SHARD shards within one node's GPUs (torch's ``_init_intra_and_inter_node_groups``
+    over ``torch.cuda.device_count()``), so the replicas must be the nodes."""
+    s = plan.setup
+    if s.fsdp_version == 2:
+        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": s.dp_replicate,
+                                     "parallelism_config_dp_shard_size": s.gpus // s.dp_replicate}
+    elif plan.nodes != s.dp_replicate:
+        raise SpecError(f"FSDP1 HYBRID_SHARD shards within one node's GPUs: dp_replicate ({s.dp_replicate}) must "
+                        f"equal the nodes ({plan.nodes}); use --nodes {s.dp_replicate} or --fsdp-version 2")
+
+
+def _tp_fsdp2_config(s) -> dict:
+    """``--tp`` beside FSDP2 (estimator/tp_fsdp2.py): transformers 5.24 applies both at load
+    (train.py's ``DistributedConfig(tp_size, fsdp_size)``), so accelerate must not prepare FSDP
+    itself: with ``distributed_type: FSDP`` accelerate 1.15's ``Accelerator._prepare_tp`` imports
+    ``ReplicateParallel``, gone from transformers 5.24 (ImportError). MULTI_GPU with the parallelism
+    fields accelerate 1.15 reads (``parallelism_config_tp_size`` / ``dp_shard_size``:
+    ``commands/launch.py _validate_launch_command`` turns ``use_parallelism_config`` on for a
+    non-empty ``parallelism_config``, ``utils/launch.prepare_extend_env_parallelism_config``
+    exports them); the Trainer builds the same ``ParallelismConfig`` from the model."""
+    return {"distributed_type": "MULTI_GPU", "mixed_precision": _AUTOCAST[s.precision],
+            "parallelism_config": {"parallelism_config_dp_replicate_size": 1,
+                                   "parallelism_config_dp_shard_size": dp_shard(s),
+                                   "parallelism_config_tp_size": s.tp, "parallelism_config_cp_size": 1}}
 
 
 def dumps(plan: Plan, config: dict) -> str:

@@ -25,13 +25,22 @@ MODEL_CONFIG = "config.json"
 MAIN_PORT = 29500
 
 #: Setup.fsdp -> accelerate's FSDP sharding strategy (FSDP1, what the truth in vramplan/run/fsdp.py
-#: runs; hybrid_shard is not a Setup choice yet).
+#: runs); with ``dp_replicate`` > 1 the hybrid ones (:func:`fsdp1_strategy`).
 FSDP_STRATEGIES = {
     "full_shard": "FULL_SHARD",
     "shard_grad_op": "SHARD_GRAD_OP",
-    "hybrid_shard": "HYBRID_SHARD",
     "no_shard": "NO_SHARD",
 }
+#: Setup.fsdp under hybrid sharding (``dp_replicate`` > 1) -> accelerate 1.15's FSDP1 strategy name
+#: (utils/constants.py FSDP_SHARDING_STRATEGY: torch's HYBRID_SHARD and _HYBRID_SHARD_ZERO2).
+HYBRID_STRATEGIES = {"full_shard": "HYBRID_SHARD", "shard_grad_op": "HYBRID_SHARD_ZERO2"}
+
+
+def fsdp1_strategy(setup) -> str:
+    """accelerate's ``fsdp_sharding_strategy`` of an FSDP1 setup (hybrid with ``dp_replicate`` > 1)."""
+    if getattr(setup, "dp_replicate", 1) > 1:
+        return HYBRID_STRATEGIES[setup.fsdp]
+    return FSDP_STRATEGIES[setup.fsdp]
 
 
 def default_lr(setup) -> float:

@@ -70,6 +70,19 @@ _STATE_BYTES_PER_ELEMENT = {"adamw": 8, "adamw-fused": 8, "sgd": 4, "lion": 4, "
                             "adamw-8bit": 2 * (1 + 4 / 256), "paged-adamw-8bit": 2 * (1 + 4 / 256)}
 #: DeepSpeed's stage-3 default: the fp32 partition is stepped in sub-groups of this many elements.
 SUB_GROUP_SIZE = int(1e9)
+#: NVMe parameter offload as vramplan/emit/deepspeed.py writes it (``offload_param``): buffer_count
+#: page-locked swap buffers of buffer_size elements (at least the largest parameter), and max_in_cpu
+#: elements of the trainable 16-bit partition kept in host RAM (stage3.py
+#: _create_param_groups_fp16_flat_cpu_memory, DeepSpeed 0.19.8).
+PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_NUMEL, PARAM_MAX_IN_CPU = 5, int(1e8), int(1e9)
+#: What ZeRO-Infinity's optimizer swapper keeps on NVMe, not in host RAM (the fp32 master, its
+#: gradient and the optimizer states of every sub-group: swap_tensor/partitioned_optimizer_swapper.py).
+ON_NVME = ("fp32 master partition", "fp32 gradient partition", "optimizer states")
+#: DeepSpeed swaps a tensor only from this many bytes (swap_tensor/utils.py MIN_AIO_BYTES, and the
+#: emitted aio block_size); smaller sub-groups and parameters stay in host RAM (optimizer_utils.py
+#: is_swappable_tensor, partitioned_param_swapper.py swappable_tensor). Applied to the whole
+#: sub-group / partition: a tiny model swaps nothing, a real one all but its norms and biases.
+MIN_AIO_BYTES = 1024**2
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,8 @@ class ZeroMemory:
     step: int  # the optimizer step's extra device bytes (flat/fp32 gradients, foreach transient)
     host: int  # host RAM held by the offload (peak, with the host step's transient)
     host_terms: tuple[tuple[str, int], ...] = ()
+    nvme: int = 0  # bytes ZeRO-Infinity keeps on NVMe (not host RAM)
+    nvme_terms: tuple[tuple[str, int], ...] = ()
 
     @property
     def static(self) -> int:
@@ -185,6 +200,7 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
     off_par = setup.offload_params != "none"
     bucket = cfg["reduce_bucket_size"] * pb
     host_terms: list[tuple[str, int]] = []
+    nvme_terms: list[tuple[str, int]] = []
     staging = 0
 
     master, states = 4 * part, int(state_b * part)
@@ -246,18 +262,36 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
                           ("fp32 gradient partition", 4 * part), ("optimizer states", states),
                           ("optimizer step", t_step)]
             master, states, grad_part, step = 0, 0, 0, 0
+        if setup.offload_optimizer == "nvme" and 4 * sub >= MIN_AIO_BYTES:
+            # the fp32 partitions and states are swapped to NVMe; the 16-bit gradient partition
+            # stays in host RAM (grad_partitions_flat_buffer on the offload device, pinned), and so
+            # do the optimizer swapper's page-locked buffers: buffer_count (4, as the emitter
+            # writes it) fp32 buffers of the largest sub-group (swap_tensor/optimizer_utils.py)
+            nvme_terms += [t for t in host_terms if t[0] in ON_NVME]
+            host_terms = [t for t in host_terms if t[0] not in ON_NVME]
         if setup.offload_optimizer == "nvme":
-            # the optimizer swapper's page-locked buffers: buffer_count (4, as the emitter writes
-            # it) fp32 buffers of the largest sub-group (swap_tensor/optimizer_utils.py)
             host_terms.append(("NVMe swap buffers", 4 * 4 * sub))
         if off_par:
-            host_terms.append(("16-bit parameter partition", pb * (-(-stored // n)) + adapters))
+            params = pb * (-(-stored // n)) + adapters
+            if setup.offload_params == "nvme" and pb * (-(-stored // n)) >= MIN_AIO_BYTES:
+                # the trainable partition up to max_in_cpu stays in host RAM, beyond it one sub-group's
+                # reuse buffer; the parameter swapper's buffers hold the largest parameter
+                trainable_b = adapters if setup.adapters else pb * part
+                in_cpu = min(trainable_b, pb * PARAM_MAX_IN_CPU)
+                reuse = pb * sub if part > PARAM_MAX_IN_CPU else 0
+                swap = PARAM_SWAP_BUFFERS * pb * max(PARAM_SWAP_BUFFER_NUMEL, _largest_param(model, setup))
+                host_terms += [("16-bit trainable partition (max_in_cpu)", in_cpu),
+                               ("NVMe parameter swap buffers", swap + reuse)]
+                nvme_terms.append(("16-bit parameter partition", params - in_cpu))
+            else:
+                host_terms.append(("16-bit parameter partition", params))
             weights = pb * persistent + q_state
     host = sum(b for _, b in host_terms)
     return ZeroMemory(weights=weights, master=master, states=states, grad_partition=grad_part,
                       grad_partition_static=static_grad, buckets=buckets, staging=staging,
                       gathered=gathered, step=step,
-                      host=host, host_terms=tuple((k, v) for k, v in host_terms if v))
+                      host=host, host_terms=tuple((k, v) for k, v in host_terms if v),
+                      nvme=sum(b for _, b in nvme_terms), nvme_terms=tuple((k, v) for k, v in nvme_terms if v))
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from ..units import (
     PRECISION_WEIGHT_DTYPE,
     bnb_4bit_tensor_bytes,
 )
+from .hybrid_shard import shard_ranks
 from .knobs import fsdp_copy_shard_bytes
 from .lora import lora_params
 from .optimizers import linear_and_other_tensors
@@ -110,6 +111,8 @@ class FsdpMemory:
     embed: int = 0  # FSDP2: an untied embedding's gathered group (its forward, and the end of the backward)
     ag_last: int = 0  # FSDP2: the flat all-gather buffer of the group gathered last in the forward
     first_grad: int = 0  # FSDP2: the widest unsharded gradient of a layer (the first one its backward makes)
+    ar_held: int = 0  # FSDP2 hybrid sharding: a layer's reduce output held for its all-reduce (hybrid_shard.py)
+    ar_held_end: int = 0  # ... every group's (the tail's too), all held at the end of the backward
 
     @property
     def static(self) -> int:
@@ -192,7 +195,7 @@ def fsdp_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
     """Model-state bytes per rank of ``setup`` under FSDP on ``setup.gpus`` ranks (a bitsandbytes
     4-bit base's units are built here from the model, :func:`_packed_layer`)."""
     L = max(model.num_layers, 1)
-    n = 1 if setup.fsdp == "no_shard" else setup.gpus
+    n = 1 if setup.fsdp == "no_shard" else shard_ranks(setup)  # hybrid sharding: its shard group
     # FSDP runs any sharded strategy on one rank as NO_SHARD
     keep_layers = setup.fsdp == "shard_grad_op" and n > 1
     mixed = fsdp_mixed(setup)

@@ -48,6 +48,7 @@ from ..setup_checks import check_fsdp2
 from ..specs import ModelSpec, Setup
 from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE, bnb_4bit_tensor_bytes
 from .fsdp import FsdpMemory, fsdp_memory, fsdp_mixed, fsdp_phase_peaks
+from .hybrid_shard import held_reduce_bytes, shard_ranks
 from .lora import adapted_linears
 
 #: Optimizer states per trainable shard element, in the shard's dtype (torch AdamW foreach or fused, SGD momentum).
@@ -94,7 +95,7 @@ def fsdp2_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
     """Model-state bytes per rank of ``setup`` under FSDP2 on ``setup.gpus`` ranks."""
     check_fsdp2(model, setup)  # what is not modelled is refused (setup_checks.py)
     L = max(model.num_layers, 1)
-    n = setup.gpus
+    n = shard_ranks(setup)  # hybrid sharding (dp_replicate): the shard group (estimator/hybrid_shard.py)
     mixed = fsdp_mixed(setup)
     w = int(DTYPE_BYTES[PRECISION_WEIGHT_DTYPE[setup.precision]])  # load dtype
     full = setup.method == "full"
@@ -126,7 +127,9 @@ def fsdp2_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
         layer_grad_shard=tb * pad(train), root_grad=tail_grad, head_grad=cb * head if full else 0,
         accum_grads=accum, keep_layers=setup.fsdp == "shard_grad_op", step=step, host=0, version=2,
         embed=gather(embed, cb), ag_last=layer_g if model.tie_word_embeddings else tail_g,
-        first_grad=max((gather([t], cb if mixed else tb) for t in train), default=0))
+        first_grad=max((gather([t], cb if mixed else tb) for t in train), default=0),
+        ar_held=held_reduce_bytes(setup, pad(train)),
+        ar_held_end=held_reduce_bytes(setup, L * pad(train) + (pad(tail) + pad(embed) if full else 0)))
 
 
 def sharded_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
@@ -153,14 +156,16 @@ def sharded_phase_peaks(model: ModelSpec, setup: Setup, fm: FsdpMemory, act, ree
     two = kept or 2 * fm.layer
     tail = fm.root if tied else 0
     top = base + tail + two + (fm.head_grad if tied else fm.root_grad) + act.top_layer
-    done = fm.layer_grad_shard * (L - 1) if not fm.accum_grads else 0
+    # the layers done hold their sharded gradients (hybrid sharding: also their reduce outputs)
+    done = (fm.layer_grad_shard + fm.ar_held) * (L - 1) if not fm.accum_grads else 0
     rs = fm.layer_grad if not fm.accum_grads else 0  # the layer above's reduce-scatter input
     # the bottom layer: the layer above's reduce-scatter input is held; its own gradients appear one
     # parameter at a time (no flat gradient), so at its MLP's backward only the widest one is there;
     # at its end its unsharded gradients and its own reduce-scatter input coexist
     bottom = base + tail + fm.layer + fm.embed + fm.head_grad + done + max(
         rs + fm.first_grad + act.bottom_layer, 2 * fm.layer_grad + act.end)
-    end = base + tail + (fm.grad_shards if not fm.accum_grads else 0) + 2 * fm.root_grad + act.end
+    held = fm.ar_held_end if not fm.accum_grads else 0  # hybrid sharding: held to finalize_backward
+    end = base + tail + (fm.grad_shards if not fm.accum_grads else 0) + 2 * fm.root_grad + held + act.end
     backward = max(start, top, bottom, end)
     optimizer = fm.static + fm.grad_shards + fm.step
     return {"forward": int(forward), "backward": int(backward), "optimizer": int(optimizer)}

@@ -264,10 +264,24 @@ def clean_device_map(device_map: dict[str, int], module_name: str = "") -> dict[
     return device_map
 
 
+def spill_message(setup: Setup, spilled: tuple[str, ...]) -> str:
+    """Why a capped split is refused: accelerate's map would put ``spilled`` off the GPUs."""
+    from ..max_memory import caps_text
+
+    what = spilled[0] + (f" and {len(spilled) - 1} more modules" if len(spilled) > 1 else "")
+    return (f"max_memory {caps_text(setup.max_memory)} leaves {what} on no GPU: device_map={setup.device_map} would "
+            "offload them to disk (to the CPU with a cpu budget), which vramplan does not model; raise the caps or "
+            "split over more --gpus")
+
+
 def place(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, cuda_context_bytes: int,
           max_memory: tuple[int, ...] | None = None) -> LayerSplit:
     """The layer split ``from_pretrained(device_map=setup.device_map)`` computes on ``setup.gpus``
-    GPUs like ``gpu`` (or under ``max_memory`` per GPU)."""
+    GPUs like ``gpu`` (or under ``max_memory`` per GPU; else ``setup.max_memory``, the user's caps,
+    which accelerate takes as given: a layer that then fits on no GPU is refused)."""
+    capped = max_memory is None and bool(setup.max_memory)
+    if capped:
+        max_memory = setup.max_memory
     if max_memory is None:
         if gpu is None:
             raise SpecError("device_map places the layers by each GPU's free memory: give --gpu")
@@ -281,6 +295,8 @@ def place(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, cuda_context_byte
     placement, used = infer_placement(tree, caps, model.tie_word_embeddings)
     n = len(caps)
     spilled = tuple(name for name, dev in placement if dev == n)
+    if spilled and capped:
+        raise SpecError(spill_message(setup, spilled))
     if spilled:  # accelerate would offload these to the CPU (not modelled): they stay on the last GPU,
         # which then does not fit, and the estimate says why
         placement, used = infer_placement(tree, caps[:-1] + [float("inf")], model.tie_word_embeddings)

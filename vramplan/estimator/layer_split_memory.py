@@ -226,6 +226,8 @@ def fullest_rank(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correction
     notes = [f"device_map={setup.device_map} over {split.gpus} GPUs in one process: decoder layers per GPU {counts} "
              f"(embeddings on GPU {split.embed_rank}, lm_head on GPU {split.head_rank}); the numbers are GPU "
              f"{r.rank}'s, the fullest (--json per_rank has every GPU's)"]
+    if setup.max_memory:
+        notes.extend(cap_notes(setup, gpu, corrections.cuda_context_bytes))
     if split.spilled:
         notes.append(f"the weights do not fit on {split.gpus} GPUs as device_map={setup.device_map} places them: "
                      f"accelerate would offload {split.spilled[0]}{' and the rest' if len(split.spilled) > 1 else ''} "
@@ -236,6 +238,23 @@ def fullest_rank(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correction
                      "before it (sequential fills GPU 0 first); auto/balanced spreads the layers")
     return SplitResult(states=st, acts=a, phase_peaks=r.phase_peaks, paged=r.paged, per_rank=peaks,
                        notes=tuple(notes))
+
+
+def cap_notes(setup: Setup, gpu: GpuSpec | None, cuda_context_bytes: int) -> list[str]:
+    """What ``--max-memory`` did: the caps the placement used (accelerate takes them as given,
+    transformers 5.24 ``get_max_memory``), and any above the GPU's free memory at load."""
+    from ..max_memory import caps_text
+    from ..units import gib
+    from .layer_split import free_memory_bytes
+
+    out = [f"placed under max_memory {caps_text(setup.max_memory)} (accelerate takes each cap as given)"]
+    if gpu is not None:
+        free = free_memory_bytes(gpu, cuda_context_bytes)
+        over = [i for i, c in enumerate(setup.max_memory) if c > free]
+        if over:
+            out.append(f"max_memory gives GPU {', '.join(map(str, over))} more than the {gib(free)} GiB free on "
+                       f"{gpu.name} at load: accelerate places by the cap, so the load can run out of memory there")
+    return out
 
 
 def copy_bytes_per_micro_step(model: ModelSpec, setup: Setup) -> float:

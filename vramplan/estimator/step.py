@@ -25,6 +25,7 @@ from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
 from .distributed import StepActivations, ZeroMemory, zero_memory, zero_phase_peaks
 from .fsdp import FsdpMemory, ddp_bucket_bytes, is_ddp
 from .fsdp2 import sharded_memory, sharded_phase_peaks
+from .hybrid_shard import hsdp_held
 from .model_states import (
     GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT,
     adapter_bytes,
@@ -460,8 +461,13 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
                   if st.fsdp.version == 1 else "FSDP2: unsharded tail group (norm, head) + one layer; at the loss "
                   "also the last all-gather buffer (estimator/fsdp2.py)")
         if st.fsdp_gathered else None,
+        Component("hsdp_reduce_held", held, ("backward",), note="hybrid sharding: each group's 16-bit reduce output "
+                  "held for its all-reduce to the end of the backward (torch 2.13 FSDPParamGroup._all_reduce_state; "
+                  "estimator/hybrid_shard.py)") if (held := hsdp_held(st.fsdp)) else None,
         *(Component(name, n, PHASES, note=note) for name, n, note in overheads),
         Component("host_offload", st.host, PHASES, where="host") if st.host else None,
+        Component("nvme_offload", st.zero.nvme, PHASES, where="nvme", note="ZeRO-Infinity's swap files")
+        if st.zero is not None and st.zero.nvme else None,
     ]
     return tuple(c_ for c_ in comps if c_ is not None)
 

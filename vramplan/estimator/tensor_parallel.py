@@ -39,6 +39,15 @@ import dataclasses
 import math
 
 from ..specs import Breakdown, Component, GpuSpec, ModelSpec, RankPeak, Setup, SpecError
+from .tp_fsdp2 import (
+    check_tp_fsdp2,
+    combined,
+    combined_note,
+    tied_head_copy_bytes,
+    tied_head_grad_bytes,
+    with_tied_head_copy,
+)
+from .tp_fsdp2 import rank_setup as tp_fsdp2_rank_setup
 
 #: transformers 5.24's ``base_model_tp_plan`` of the model types modelled here (configuration_<type>.py),
 #: by Linear name; ``lm_head`` is ``colwise_gather_output`` and ``embed_tokens`` ``embedding_rowwise`` for all.
@@ -64,10 +73,11 @@ def check_tp(model: ModelSpec, setup: Setup) -> None:
     if model.num_heads % tp or model.num_kv_heads % tp:
         raise SpecError(f"--tp {tp} does not divide {model.name}'s {model.num_heads} attention heads and "
                         f"{model.num_kv_heads} KV heads (transformers shards whole heads)")
-    if setup.gpus != tp:
+    check_tp_fsdp2(model, setup)  # beside FSDP2 sharding: what its truth runs (estimator/tp_fsdp2.py)
+    if setup.gpus != tp and not combined(setup):
         raise SpecError(f"--tp {tp} on --gpus {setup.gpus}: tensor parallelism combined with data parallelism "
                         "(FSDP2 dp_shard, DDP) is not modelled yet; use --gpus equal to --tp")
-    unmodelled = (("--quant", setup.quant != "none"), ("--fsdp", setup.fsdp != "none"),
+    unmodelled = (("--quant", setup.quant != "none"), ("--fsdp", setup.fsdp != "none" and not combined(setup)),
                   ("--zero", bool(setup.zero_stage)), ("--cp", setup.cp > 1), ("--liger", setup.liger),
                   ("--objective", setup.objective != "sft"), ("--loss", setup.loss != "hf"),
                   ("--eval-batch", setup.eval_batch > 0), ("--optimizer-in-backward", setup.optimizer_in_backward),
@@ -116,8 +126,9 @@ def rank_model(model: ModelSpec, tp: int, rank: int = 0) -> ModelSpec:
 
 
 def rank_setup(setup: Setup) -> Setup:
-    """The setup one rank runs, as one GPU: no data parallelism beside it (``gpus == tp``)."""
-    return dataclasses.replace(setup, tp=1, gpus=1)
+    """The setup one rank runs, as one GPU: no data parallelism beside it (``gpus == tp``); beside
+    FSDP2 sharding, FSDP2 over its dp_shard group (estimator/tp_fsdp2.py)."""
+    return tp_fsdp2_rank_setup(setup) if combined(setup) else dataclasses.replace(setup, tp=1, gpus=1)
 
 
 def optimizer_groups(rank: ModelSpec, setup: Setup) -> tuple[int, ...]:
@@ -174,13 +185,19 @@ def _rank_breakdown(model: ModelSpec, setup: Setup, rank_index: int, gpu: GpuSpe
     numel = sum(math.prod(shape) * count for shape, count in trainable_tensors(rank, one))
     largest = step * max(optimizer_groups(rank, one)) // max(numel, 1)
     peaks = {**b.phase_peaks_bytes, "optimizer": b.phase_peaks_bytes["optimizer"] - (step - largest)}
+    peaks = with_tied_head_copy(model, setup, peaks)  # beside FSDP2: a tied head's gathered copy (tp_fsdp2.py)
     phase = max(peaks, key=lambda p: peaks[p])
     allocated, reserved, total, overheads = device_overheads(peaks[phase], setup.gpus, gpu, corrections)
     devices = {name: (n, note) for name, n, note in overheads}
+    copy = tied_head_copy_bytes(model, setup)
     comps = [c for c in b.components if c.name not in devices] + [
+        Component("tied_head_gather", copy, ("forward", "backward"), note="the tied head's DTensor all-gather of "
+                  "the sharded embedding (transformers ties it after fully_shard)"),
+        Component("tied_head_grad", tied_head_grad_bytes(model, setup), ("backward", "optimizer"),
+                  note="its gradient into the embedding's shard, beside FSDP2's")] * bool(copy) + [
         Component(name, n, note=note or ("NCCL communicators (the TP group)" if name == "nccl" else ""))
         for name, (n, note) in devices.items()]
-    shard_note = f"this rank's 1/{setup.tp} tensor-parallel shard"
+    shard_note = f"this rank's 1/{setup.tp} tensor-parallel shard" + combined_note(setup)
     comps = [dataclasses.replace(c, bytes=largest, note="foreach step transient (largest parameter group)")
              if c.name == "optimizer_step" else dataclasses.replace(c, note=shard_note) if c.name == "weights" else c
              for c in comps]

@@ -163,7 +163,15 @@ def _accelerate_state(m: Mapped) -> None:
             config["sharding_strategy"] = getattr(strategy, "name", str(strategy))
         else:
             config["reshard_after_forward"] = bool(getattr(plugin, "reshard_after_forward", True))
-        read_fsdp("full_shard", Fields(config, "accelerate fsdp_plugin"), m, "fsdp_plugin")
+        # hybrid sharding: FSDP1's HYBRID_SHARD is one shard group per node (torchrun's LOCAL_WORLD_SIZE
+        # ranks), FSDP2's the ParallelismConfig's replicas (estimator/hybrid_shard.py)
+        import os
+
+        nodes = state.num_processes // max(int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)), 1)
+        read_fsdp("full_shard", Fields(config, "accelerate fsdp_plugin"), m, "fsdp_plugin", nodes=max(nodes, 1))
+        replicas = getattr(getattr(state, "parallelism_config", None), "dp_replicate_size", 1) or 1
+        if replicas > 1:
+            m.setup["dp_replicate"] = replicas
 
 
 def _quantization(model, m: Mapped) -> tuple[str | None, bool, bool]:

@@ -49,6 +49,15 @@ _UNMODELLED = {
     "tensor_parallel_size": "tensor parallelism is not modelled",
     "context_parallel_size": "context parallelism is not modelled",
     "sequence_parallel_degree": "sequence parallelism is not modelled",
+    # src/axolotl/loaders/model.py _set_device_map_config: with max_memory (or gpu_memory_limit, each GPU
+    # capped and a 256GiB CPU budget) axolotl builds its own device_map with accelerate's
+    # infer_auto_device_map(dtype=torch_dtype): no no-split decoder layers, no quantizer sizes, no
+    # balancing; transformers' placement (--device-map/--max-memory) is not that map
+    "max_memory": "axolotl's own device_map from max_memory (accelerate's infer_auto_device_map without "
+                  "no-split layers or quantized sizes) is not modelled: one GPU per process assumed",
+    "gpu_memory_limit": "axolotl's own device_map from gpu_memory_limit (accelerate's infer_auto_device_map "
+                        "without no-split layers or quantized sizes, CPU offload) is not modelled: one GPU per "
+                        "process assumed",
 }
 
 

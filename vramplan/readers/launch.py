@@ -83,19 +83,27 @@ def read_deepspeed_file(value, config_path: Path, m: Mapped, key: str = "deepspe
 #: accelerate / transformers FSDP sharding names -> vramplan's fsdp
 _FSDP = {"full_shard": "full_shard", "1": "full_shard", "shard_grad_op": "shard_grad_op", "2": "shard_grad_op",
          "no_shard": "no_shard", "3": "no_shard"}
+#: FSDP1's hybrid strategies (accelerate 1.15 FSDP_SHARDING_STRATEGY, torch ShardingStrategy 4/5): the
+#: strategy within a node, replicated across nodes (Setup.dp_replicate = the nodes)
+_HYBRID = {"hybrid_shard": "full_shard", "4": "full_shard", "hybrid_shard_zero2": "shard_grad_op",
+           "_hybrid_shard_zero2": "shard_grad_op", "5": "shard_grad_op"}
 
 
-def read_fsdp(strategy, config: Fields | None, m: Mapped, key: str) -> None:
+def read_fsdp(strategy, config: Fields | None, m: Mapped, key: str, nodes: int = 1) -> None:
     """FSDP: a sharding strategy name (``full_shard``; accelerate's ``FULL_SHARD``/``1``; HF's
-    ``fsdp: "full_shard auto_wrap"`` list) and an ``fsdp_config`` (offload, version)."""
+    ``fsdp: "full_shard auto_wrap"`` list) and an ``fsdp_config`` (offload, version). FSDP1's
+    HYBRID_SHARD(_ZERO2) shards within each of ``nodes`` nodes (``dp_replicate``)."""
     words = strategy if isinstance(strategy, list) else str(strategy).split()
-    mode = next((_FSDP[w.lower()] for w in map(str, words) if w.lower() in _FSDP), None)
+    names = {**_FSDP, **_HYBRID}
+    mode = next((names[w.lower()] for w in map(str, words) if w.lower() in names), None)
+    hybrid = next((w for w in map(str, words) if w.lower() in _HYBRID), None)
     if config is not None:
         named = config.raw("fsdp_sharding_strategy", config.raw("sharding_strategy"))
         reshard = config.raw("fsdp_reshard_after_forward", config.raw("reshard_after_forward"))
         for value in (named, reshard):
-            if value is not None and str(value).lower() in _FSDP:
-                mode = _FSDP[str(value).lower()]
+            if value is not None and str(value).lower() in names:
+                mode = names[str(value).lower()]
+                hybrid = value if str(value).lower() in _HYBRID else hybrid
             elif value is True:
                 mode = "full_shard"
             elif value is False:
@@ -110,6 +118,11 @@ def read_fsdp(strategy, config: Fields | None, m: Mapped, key: str) -> None:
     if mode is None:
         return
     m.setup["fsdp"] = mode
+    if hybrid is not None and nodes > 1:
+        m.setup["dp_replicate"] = nodes
+    elif hybrid is not None:
+        m.assume(f"{key}.fsdp_sharding_strategy", hybrid, f"{hybrid} shards within a node; on one node that is "
+                 f"{mode.upper()} over its GPUs (for N nodes: --dp-replicate N)")
 
 
 def read_accelerate(data: dict, where: str, m: Mapped) -> None:
@@ -141,7 +154,10 @@ def read_accelerate(data: dict, where: str, m: Mapped) -> None:
             if stage != 3:
                 m.setup["offload_params"] = "none"
     elif kind == "FSDP":
-        read_fsdp("full_shard", f.sub("fsdp_config"), m, "fsdp_config")
+        read_fsdp("full_shard", f.sub("fsdp_config"), m, "fsdp_config", nodes=max(machines, 1))
+        _parallelism(f.sub("parallelism_config"), m)
+    elif kind == "MULTI_GPU" and f.sub("parallelism_config") is not None:
+        _tp_beside_fsdp2(f.sub("parallelism_config"), m)
     elif kind not in ("NO", "MULTI_GPU"):
         m.ignore("distributed_type", kind, "only NO, MULTI_GPU, DEEPSPEED and FSDP are modelled")
     mixed = f.str("mixed_precision", "no")
@@ -149,3 +165,25 @@ def read_accelerate(data: dict, where: str, m: Mapped) -> None:
         m.ignore("mixed_precision", mixed, "only no, bf16 and fp16 are modelled")
     if mixed in ("bf16", "fp16"):
         m.amp = mixed
+
+
+def _tp_beside_fsdp2(pc: Fields, m: Mapped) -> None:
+    """A MULTI_GPU config with ``parallelism_config`` tp and dp_shard sizes (what emit/accelerate.py
+    writes for ``--tp`` beside FSDP2: transformers 5.24 applies both at load, estimator/tp_fsdp2.py):
+    tensor parallelism beside FSDP2 full_shard; the other sizes as :func:`_parallelism` reads them."""
+    _parallelism(pc, m)
+    shard = pc.int("parallelism_config_dp_shard_size", None) or pc.int("dp_shard_size", None) or 1
+    if m.setup.get("tp", 1) > 1 and shard > 1:
+        m.setup.update(fsdp="full_shard", fsdp_version=2)
+
+
+def _parallelism(pc: Fields | None, m: Mapped) -> None:
+    """accelerate 1.15's ``parallelism_config`` (FSDP2; ``accelerate launch`` exports each key as
+    PARALLELISM_CONFIG_*): the HSDP replicas, tensor and context parallel sizes. ``dp_shard_size``
+    is what the rest leaves of ``num_processes`` (accelerate checks the product)."""
+    if pc is None:
+        return
+    for mine, theirs in (("dp_replicate", "dp_replicate_size"), ("tp", "tp_size"), ("cp", "cp_size")):
+        value = pc.int(f"parallelism_config_{theirs}", None) or pc.int(theirs, None)
+        if value is not None and value > 1:
+            m.setup[mine] = value

@@ -38,8 +38,8 @@ from .common import TORCH_COMPILE_WHY, Fields, Mapped, attn_from_name, optimizer
 from .hf_fields import TRAINING_ARGUMENTS, TRANSFORMERS_VERSION, TRL_FIELDS, TRL_VERSION
 from .launch import read_deepspeed_file, read_fsdp
 
-__all__ = ["DTYPES", "SCRIPT_FIELDS", "load_precision", "lora_setup", "read_hf", "read_trl", "training_arguments",
-           "trl_loss_precision", "trl_trainer_fields", "unknown_fields"]
+__all__ = ["DTYPES", "SCRIPT_FIELDS", "layer_split", "load_precision", "lora_setup", "read_hf", "read_trl",
+           "training_arguments", "trl_loss_precision", "trl_trainer_fields", "unknown_fields"]
 
 DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
           "auto": "auto"}
@@ -324,4 +324,40 @@ def read_trl(data: dict, path: Path, m: Mapped) -> None:
     trl_loss_precision(m)
     if f.has("num_processes"):
         m.gpus = f.int("num_processes")
+    layer_split(f, m)
     unknown_fields(f, m, trl=True)
+
+
+def layer_split(f: Fields, m: Mapped) -> None:
+    """``model_init_kwargs`` with ``device_map`` auto/balanced/sequential and ``max_memory``: the
+    layer split over the capped GPUs of one process (TRL 1.16 ``SFTTrainer.__init__`` hands the
+    kwargs to ``create_model_from_path`` -> ``from_pretrained``, trl/trainer/utils.py, unless the
+    run is distributed: MULTI_GPU/DEEPSPEED set ``device_map=None``, and from_pretrained then
+    ignores ``max_memory``). The caps give the GPU count; ``cpu``/``disk`` budgets are refused
+    (vramplan/max_memory.py). A ``device_map`` without caps is not read."""
+    kwargs = _dict_field(f, "model_init_kwargs")
+    if kwargs is None or not kwargs.has("max_memory"):
+        return
+    caps, where = kwargs.raw("max_memory"), "model_init_kwargs.max_memory"
+    strategy = kwargs.raw("device_map")
+    if m.gpus not in (None, 1):
+        m.ignore(where, caps, f"{m.gpus} processes: TRL loads with device_map=None when distributed, and "
+                 "from_pretrained reads max_memory only with a device_map")
+        return
+    if strategy not in ("auto", "balanced", "sequential"):
+        m.ignore(where, caps, f"read with device_map auto, balanced or sequential only (a layer split); got "
+                 f"{strategy!r}")
+        return
+    if not isinstance(caps, dict):
+        raise kwargs.bad("max_memory", "a mapping of GPU index to size ({0: 20GiB, 1: 24GiB})", caps)
+    from ..max_memory import parse_max_memory
+
+    try:
+        parsed = parse_max_memory(",".join(f"{k}={v}" for k, v in caps.items()), where)
+    except SpecError as exc:
+        raise SpecError(f"{f.where}: {exc}") from None
+    if len(parsed) < 2:
+        m.ignore(where, caps, "one GPU: nothing to split")
+        return
+    m.setup.update(device_map=strategy, max_memory=parsed)
+    m.gpus = len(parsed)

@@ -18,7 +18,7 @@ own unit, the root unit holding embeddings, final norm and head; under LoRA peft
 ``fsdp_auto_wrap_policy``, as the HF Trainer's ``update_fsdp_plugin_peft`` sets), the
 ``MixedPrecision`` policy and the fp32 upcast of trainable flat parameters (both only with mixed
 precision) are accelerate's own code. FSDP1 runs on CPU with gloo in torch 2.13 for FULL_SHARD,
-SHARD_GRAD_OP and NO_SHARD; HYBRID_SHARD needs a 2-D process group (nodes) and is not run. The
+SHARD_GRAD_OP and NO_SHARD, and HYBRID_SHARD with the "node" size set (vramplan.run.hsdp). The
 optimizer (torch AdamW foreach, or bitsandbytes' 8-bit AdamW with the Trainer's 32-bit embedding
 override) is created after ``prepare`` over the Trainer's parameter groups, as the Trainer does under FSDP; fp16
 MixedPrecision steps through FSDP's ``ShardedGradScaler`` (accelerate builds it on a GPU only).
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..specs import Setup, SpecError
+from .hsdp import cpu_node_size
 from .live import SplitCounter
 from .ranks import RankPeak, failed_launch_rows, launch_ranks, saved_checkpoint
 from .tiny import OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_config, tiny_model
@@ -149,11 +150,11 @@ def _fsdp_plugin(setup: Setup, model):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffload
 
-    from ..emit.common import FSDP_STRATEGIES
+    from ..emit.common import fsdp1_strategy
 
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=1,
-        sharding_strategy=FSDP_STRATEGIES[setup.fsdp],
+        sharding_strategy=fsdp1_strategy(setup),
         auto_wrap_policy="transformer_based_wrap",
         backward_prefetch="BACKWARD_PRE",
         cpu_offload=CPUOffload(offload_params=setup.offload_params == "cpu"),
@@ -243,6 +244,7 @@ def _wrap_fsdp(setup: Setup, model):
     if acc.mixed_precision != "no":
         plugin.set_mixed_precision(acc.mixed_precision)
     state.fsdp_plugin = plugin
+    cpu_node_size(setup)  # HYBRID_SHARD shards within a "node" (vramplan.run.hsdp)
     if setup.adapters:  # the HF Trainer's update_fsdp_plugin_peft
         from peft.utils.other import fsdp_auto_wrap_policy
 
@@ -418,9 +420,6 @@ UNVERIFIED = (
     ("fsdp", {"fsdp": "full_shard", "optimizer": "paged-adamw-8bit"}, 2,
      ("paged 8-bit AdamW under FSDP is not run: bitsandbytes pages only on CUDA, and the estimate counts "
       "the paged states of the whole model on every rank (not its shard slices)")),
-    ("fsdp", {"fsdp": "full_shard"}, 4,
-     ("HYBRID_SHARD and FSDP2 (fully_shard, fsdp_version 2) are not Setup choices: vramplan emits "
-      "accelerate's FSDP1 (its default in accelerate 1.15) on one node")),
 )
 
 

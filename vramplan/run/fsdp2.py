@@ -40,6 +40,7 @@ import sys
 from dataclasses import dataclass
 
 from ..specs import Setup, SpecError
+from .hsdp import attach_mesh
 from .ranks import RankPeak, failed_launch_rows, launch_ranks, rank_worker
 from .tiny import MOE_BASES, OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_config, tiny_model
 
@@ -90,8 +91,10 @@ def fsdp2_plugin(setup: Setup):
     )
 
 
-def _prepare(setup: Setup, model, opt):
-    """accelerate's FSDP2 preparation (``Accelerator.prepare(model, optimizer)``), on CPU."""
+def cpu_fsdp_accelerator(setup: Setup):
+    """A fresh ``Accelerator`` on CPU whose state says FSDP (accelerate turns FSDP on only for
+    accelerators: the truths set the state after it is made), and ``setup``'s FSDP2 plugin, not
+    yet attached: (accelerator, plugin)."""
     import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
@@ -105,9 +108,16 @@ def _prepare(setup: Setup, model, opt):
     for st in (PartialState(), acc.state):
         st.distributed_type = DistributedType.FSDP
         st.device = torch.device("cpu")
+    return acc, plugin
+
+
+def _prepare(setup: Setup, model, opt):
+    """accelerate's FSDP2 preparation (``Accelerator.prepare(model, optimizer)``), on CPU."""
+    acc, plugin = cpu_fsdp_accelerator(setup)
     if acc.mixed_precision != "no":
         plugin.set_mixed_precision(acc.mixed_precision)
     acc.state.fsdp_plugin = plugin
+    attach_mesh(acc, setup)  # hybrid sharding: the 2-D mesh (vramplan.run.hsdp)
     wrapped, opt = acc.prepare(model, opt)
     return acc, wrapped, opt
 
@@ -190,17 +200,17 @@ FSDP2_SHAPES = (FSDP2_MATRIX[0], FSDP2_MATRIX[1], FSDP2_MATRIX[2], FSDP2_MATRIX[
 #: What FSDP2 does not model yet, and why (estimator/fsdp2.py check_fsdp2 refuses each).
 FSDP2_UNVERIFIED = (
     ({"fsdp": "full_shard", "offload_params": "cpu"},
-     "CPUOffloadPolicy keeps the shards on the host and copies them to the GPU per all-gather; on this CPU-only "
-     "machine host and device are one device, so the split cannot be measured: refused"),
+     "CPUOffloadPolicy keeps the shards on the host and copies them to the GPU per all-gather; fully_shard runs "
+     "it on gloo CPU ranks (accelerate's prepare too), but on a CPU mesh torch 2.13's shard copy "
+     "(FSDPParam.all_gather_inputs .to(device)) and gradient copy (foreach_reduce .to(cpu)) return the same "
+     "storage: a truth needs stand-in copies for both (not built yet), so the GPU/host split is not measured: "
+     "refused"),
     ({"fsdp": "full_shard", "method": "lora", "moe": True},
      "MoE (fused 3-D experts): fully_shard runs the tiny Mixtral here, full and LoRA, but the two ranks' peaks "
      "differ (2.07 vs 2.17 MB full, 3.32 vs 3.67 MB LoRA) and that is not modelled: refused"),
     ({"fsdp": "no_shard"}, "FSDP2 has no NO_SHARD (accelerate 1.15's reshard_after_forward is a bool): refused"),
     ({"fsdp": "full_shard", "optimizer": "adamw-8bit"},
      "bitsandbytes optimizers over DTensor shards are not run: refused"),
-    ({"fsdp": "full_shard", "hybrid": True},
-     "HYBRID_SHARD (shard within a node, replicate across nodes: a 2-D mesh, accelerate's ParallelismConfig "
-     "dp_replicate_size x dp_shard_size) is not a Setup choice yet"),
 )
 
 

@@ -58,13 +58,17 @@ def meta_model(config: dict, setup: Setup):
     return model, quantizer
 
 
-def real_device_map(config: dict, setup: Setup, max_memory: tuple[int, ...]) -> dict[str, int | str]:
-    """transformers' device_map for ``setup.device_map`` over GPUs with ``max_memory`` bytes free."""
+def real_device_map(config: dict, setup: Setup, max_memory: tuple[int, ...] | dict,
+                    cpu: bool = True) -> dict[str, int | str]:
+    """transformers' device_map for ``setup.device_map`` over GPUs with ``max_memory`` bytes free
+    (or the ``max_memory`` mapping itself, as from_pretrained gets it); ``cpu``: offer the host's
+    RAM too (what fits on no GPU then shows as "cpu"; without it, "disk")."""
     from transformers.integrations import accelerate as hf_accelerate
 
     model, quantizer = meta_model(config, setup)
-    budget: dict[int | str, int] = {i: int(m) for i, m in enumerate(max_memory)}
-    budget["cpu"] = CPU_BYTES
+    budget = dict(max_memory) if isinstance(max_memory, dict) else {i: int(m) for i, m in enumerate(max_memory)}
+    if cpu:
+        budget["cpu"] = CPU_BYTES
     if quantizer is not None:  # validate_environment wants CUDA; the placement does not
         quantizer.validate_environment = lambda *a, **k: None
     return dict(hf_accelerate._get_device_map(model, setup.device_map, budget, quantizer))
@@ -122,7 +126,6 @@ TRACE_CASES = (
 def traced_rows(quick: bool = False) -> list:
     """validate rows of ``device_map``'s memory: each GPU's tensor peak against the per-GPU
     traced step (vramplan/run/layer_split_trace.py) under transformers' real device_map."""
-    from ..accuracy import Row
     from ..estimator import estimate
     from ..estimator.corrections import DEFAULT_CORRECTIONS
     from ..estimator.layer_split import free_memory_bytes
@@ -136,12 +139,19 @@ def traced_rows(quick: bool = False) -> list:
         setup = Setup(gpus=gpus, device_map="auto", **kw)
         real = real_device_map(model.config, setup,
                                (free_memory_bytes(gpu, DEFAULT_CORRECTIONS.cuda_context_bytes),) * gpus)
-        truth = traced_rank_peaks(model.config, setup, real)
-        est = estimate(model, setup, gpu)
-        for r, (t, e) in enumerate(zip(truth, est.per_rank, strict=True)):
-            phase = max(t, key=lambda p: t[p])
-            rows.append(Row(name, model.family, setup, t[phase], e.tensor_peak_bytes, f"{phase} (GPU {r})",
-                            f"{e.phase} (GPU {r})", truth="trace", knob="device_map"))
+        rows += gpu_rows(name, model, setup, traced_rank_peaks(model.config, setup, real), estimate(model, setup, gpu))
+    return rows
+
+
+def gpu_rows(name: str, model, setup: Setup, truth: list[dict[str, int]], est, label: str = "") -> list:
+    """One validate row per GPU: the traced step's peak phase against the estimate's GPU."""
+    from ..accuracy import Row
+
+    rows = []
+    for r, (t, e) in enumerate(zip(truth, est.per_rank, strict=True)):
+        phase = max(t, key=lambda p: t[p])
+        rows.append(Row(name, model.family, setup, t[phase], e.tensor_peak_bytes, f"{phase} (GPU {r})",
+                        f"{e.phase} (GPU {r}{label})", truth="trace", knob="device_map"))
     return rows
 
 

@@ -119,6 +119,9 @@ class LiveTensorCounter:
     def _freed(self, sid: int, nbytes: int) -> None:
         """The storage counted as ``sid`` died (subclasses drop their attribution)."""
 
+    def _after_op(self, func, args: tuple, kwargs: dict) -> None:
+        """Called after each op the mode sees, outside the mode (subclasses wait on collectives)."""
+
     def sid_of(self, tensor) -> int | None:
         """The id under which ``tensor``'s storage is counted, or None if it is not."""
         return self._by_obj.get(id(tensor.untyped_storage()))
@@ -155,6 +158,7 @@ class LiveTensorCounter:
                     if isinstance(t, torch.Tensor):
                         counter._track(t)
                 counter._observe()
+                counter._after_op(func, args, kwargs or {})
                 return out
 
         self._mode = _LiveBytesMode()

@@ -101,6 +101,38 @@ def saved_checkpoint(config: dict, dtype, work: str) -> str:
     return str(path)
 
 
+def one_thread_gloo() -> None:
+    """Make every gloo process group created from here on run its collectives on one worker
+    thread (torch's default is two: ``ProcessGroupGloo::Options::create``).
+
+    gloo's worker drops a finished collective's work (and with it the last reference to tensors
+    the main thread has let go) only after it has woken the main thread
+    (``ProcessGroupGloo::runLoop``: ``AsyncWork::execute(work)`` then ``workInProgress_[i].reset()``),
+    so such a tensor dies a moment late and a live-tensor counter may see it beside the next ones.
+    With one worker, a barrier issued after a collective returns only once that collective's work
+    is gone: :class:`vramplan.run.tp_truth.DTensorCounter` drains each collective this way.
+    """
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "_vramplan_one_thread", False):
+        return
+
+    class OneThreadGloo(base):
+        _vramplan_one_thread = True
+
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)):
+            opts = base._Options()
+            opts._threads = 1
+            opts._timeout = timeout
+            opts._devices = [base.create_default_device()]
+            super().__init__(store, rank, size, opts)
+
+    c10d.ProcessGroupGloo = OneThreadGloo
+
+
 def rank_worker(job_path: str, run_one) -> None:
     """A rank's main (``python -m MODULE JOB`` of :func:`launch_ranks`): gloo, one thread, each of
     the job's setups through ``run_one(config, setup, seq, out)``, the results to ``rank<r>.json``."""
@@ -114,6 +146,7 @@ def rank_worker(job_path: str, run_one) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
+    one_thread_gloo()
     dist.init_process_group("gloo")
     rank = int(os.environ["RANK"])
     out = [run_one(job["config"], Setup.from_dict(s), job["seq"], job["out"]) for s in job["setups"]]

@@ -25,8 +25,11 @@ device, on the CPU ``.to("cpu")`` is a no-op and the local shard stays a view of
 read from the checkpoint. :func:`_own_shards` gives every local shard its own storage, as on a GPU.
 The counter (:class:`DTensorCounter`) counts a DTensor by its local tensor's storage. gloo's worker
 threads free a collective's tensors when it completes (the counter's bookkeeping is locked for it),
-a moment after the main thread has moved on: such a late release only ever adds to a peak, by a
-tensor of the step (8 % of the tiny model once), so each rank reports the lower of two measured steps.
+a moment after the main thread has moved on (``ProcessGroupGloo::runLoop``): such a late release
+only ever adds to a peak, by a tensor of the step (+9 % of the tiny model once, on a 2-core CI
+machine). The ranks run gloo on one worker thread (:func:`vramplan.run.ranks.one_thread_gloo`) and
+the counter waits after each collective until that worker has let go of it
+(:meth:`DTensorCounter._after_op`); each rank still reports the lower of two measured steps.
 """
 
 from __future__ import annotations
@@ -67,17 +70,69 @@ def run_tp(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ, t
 # the worker (imports torch, transformers, peft)
 
 
+#: The dispatcher namespaces of torch's collectives (c10d's ops, the functional ones DTensor issues).
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+#: Ops there that start no work to drain: the wait for one, its autograd wrapper, barriers.
+_NOT_DRAINED = frozenset({"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier"})
+
+
+def _group_of(func, args, kwargs):
+    """The process group a c10d op runs on: its ``group_name`` (the functional collectives) or
+    its ``ProcessGroup`` argument (c10d's in-place ones)."""
+    from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+
+    for i, arg in enumerate(func._schema.arguments):
+        value = kwargs[arg.name] if arg.name in kwargs else args[i] if i < len(args) else None
+        if arg.name == "group_name" and value is not None:
+            return _resolve_process_group(value)
+        if isinstance(value, ProcessGroup):
+            return value
+        if type(value).__name__ == "ScriptObject":  # under a dispatch mode c10d's ops see it boxed (FSDP2's)
+            return ProcessGroup.unbox(value)
+    raise RuntimeError(f"no process group in the arguments of {func}")
+
+
+def _storage_holder(tensor):
+    """The tensor whose storage holds ``tensor``'s bytes: a DTensor's local shard; the tensor an
+    ``AsyncCollectiveTensor`` (what torch's functional collectives hand back) wraps: a wrapper
+    subclass whose own storage reports the full size and holds nothing (counted as it is, every
+    collective's output would count twice while the wrapper lives)."""
+    local = getattr(tensor, "_local_tensor", None)
+    if local is not None:
+        return local
+    elem = getattr(tensor, "elem", None)
+    if elem is not None and type(tensor).__name__ == "AsyncCollectiveTensor":
+        return elem
+    return tensor
+
+
 class DTensorCounter(SplitCounter):
     """SplitCounter that counts a DTensor by its local tensor's storage (a DTensor is a wrapper
     without storage of its own)."""
 
     def _track(self, tensor) -> int | None:
-        local = getattr(tensor, "_local_tensor", None)
-        return super()._track(tensor if local is None else local)
+        return super()._track(_storage_holder(tensor))
 
     def sid_of(self, tensor) -> int | None:
-        local = getattr(tensor, "_local_tensor", None)
-        return super().sid_of(tensor if local is None else local)
+        return super().sid_of(_storage_holder(tensor))
+
+    def _after_op(self, func, args, kwargs) -> None:
+        """After a collective is issued, wait until its process group's (single,
+        :func:`vramplan.run.ranks.one_thread_gloo`) gloo worker has dropped it: a one-element
+        all-reduce on the same group, queued behind it, returns only once the worker has run it,
+        that is after it let go of the collective before (``runLoop`` resets its work before it
+        takes the next), so the tensors that collective held die on this thread's time, not a
+        moment later on the worker's. Not a barrier: gloo's ``AsyncBarrierWork`` keeps weak
+        references to the work before it, and a c10d ``Work`` frees its tensors only when the last
+        weak reference goes (``intrusive_ptr``: the object is deleted then), on the worker, late.
+        Each process group has a worker of its own (transformers' tensor-parallel mesh is a new
+        group per model), so the drain runs on the collective's group. Every rank of a group issues
+        the same collectives, so the same drains."""
+        if func.namespace in _COLLECTIVE_NAMESPACES and func._opname not in _NOT_DRAINED:
+            import torch
+            import torch.distributed as dist
+
+            dist.all_reduce(torch.zeros(1), group=_group_of(func, args, kwargs))
 
 
 def _own_shards(model) -> None:
@@ -100,6 +155,9 @@ def _own_shards(model) -> None:
                 else:
                     done[id(p)] = p
             module._parameters[name] = done[id(p)]
+
+
+own_shards = _own_shards  # (what run/tp_fsdp2.py calls: the same CPU stand-in under FSDP2)
 
 
 def _build_model(config: dict, setup: Setup, work: str):
@@ -139,6 +197,34 @@ def _trainer_groups(model):
     return groups
 
 
+def measured_steps(counter: DTensorCounter, model, ids, opt, grad_accum: int) -> dict:
+    """Three steps (``model(input_ids=ids, labels=ids).loss`` forward, backward, per micro-batch; ``opt.step()``,
+    ``zero_grad(set_to_none=True)``) counted by ``counter``; this rank's :class:`RankPeak` fields
+    from the second and third, the lower of the two (the module docstring says why), per phase too."""
+    measured = []  # (peak, phase, phase peaks) of steps 2 and 3
+    with counter:
+        for step in range(3):
+            if step == 2:
+                measured.append((counter.device_peak, counter.device_phase, dict(counter.device_phase_peaks)))
+            if step >= 1:
+                counter.start_measuring()
+            for _ in range(grad_accum):
+                counter.phase("forward")
+                loss = model(input_ids=ids, labels=ids).loss
+                counter.phase("backward")
+                loss.backward()
+                del loss
+            counter.phase("optimizer")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        counter.phase(None)
+    measured.append((counter.device_peak, counter.device_phase, dict(counter.device_phase_peaks)))
+    device, phase, _ = min(measured, key=lambda m: m[0])
+    phases = {p: min(m[2].get(p, 0) for m in measured) for p in measured[0][2]}
+    return {"rank": int(os.environ["RANK"]), "device_bytes": device, "phase": phase,
+            "phase_peaks": phases, "host_bytes": 0, "init_bytes": 0}
+
+
 def _run_one(config: dict, setup: Setup, seq: int, work: str) -> dict:
     import gc
 
@@ -152,30 +238,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str) -> dict:
     vocab = int(config["vocab_size"])
     ids = torch.randint(0, vocab, (setup.batch, seq), generator=torch.Generator().manual_seed(1))
     opt = make_optimizer(setup, _trainer_groups(model), model)
-    measured = []  # (peak, phase, phase peaks) of steps 2 and 3
-    with counter:
-        for step in range(3):
-            if step == 2:
-                measured.append((counter.device_peak, counter.device_phase, dict(counter.device_phase_peaks)))
-            if step >= 1:
-                counter.start_measuring()
-            for _ in range(setup.grad_accum):
-                counter.phase("forward")
-                loss = model(input_ids=ids, labels=ids).loss
-                counter.phase("backward")
-                loss.backward()
-                del loss
-            counter.phase("optimizer")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        counter.phase(None)
-    measured.append((counter.device_peak, counter.device_phase, dict(counter.device_phase_peaks)))
-    # gloo's workers release a collective's tensors a moment after the main thread moves on, which
-    # only ever adds to a peak: the lower of two identical steps is the step's own
-    device, phase, _ = min(measured, key=lambda m: m[0])
-    phases = {p: min(m[2].get(p, 0) for m in measured) for p in measured[0][2]}
-    peak = {"rank": int(os.environ["RANK"]), "device_bytes": device, "phase": phase,
-            "phase_peaks": phases, "host_bytes": 0, "init_bytes": 0}
+    peak = measured_steps(counter, model, ids, opt, setup.grad_accum)
     del model, opt
     gc.collect()
     return peak

@@ -10,8 +10,8 @@ with :func:`vramplan.estimator.estimate` only (never a formula of its own) and s
    powers of two between). Each family's memory-saving knobs (checkpointing, 8-bit optimizer,
    ZeRO stage, FSDP, CPU/NVMe offload, attention) form *saver configurations*, those the
    compatibility table (:mod:`vramplan.compat`) knows not to run left out.
-2. **Residency classes** (:func:`.rank.residency`: GPU-resident; a distributed engine on one GPU;
-   offload) are searched apart, so a faster offload plan never hides a resident one.
+2. **Residency classes** (:func:`.rank.placement`: GPU-resident; a distributed engine on one GPU;
+   CPU offload; NVMe offload) are searched apart, so a faster offload plan never hides a resident one.
 3. **Monotone feasibility**: within one placement, turning a saver on never adds memory, so the
    configuration with every saver of that placement is estimated first at micro-batch 1; if it
    does not fit, no configuration of that placement can, and none is expanded.
@@ -29,13 +29,14 @@ ALLOCATOR_ALLOWANCE_BYTES <= usable``, and the headroom is at least ``--margin``
 :data:`DEFAULT_MARGIN`, 10 %): ``band`` is the estimate's calibrated error band, or
 :data:`DEFAULT_ERROR_BAND` until calibration exists. Host RAM is always checked for CPU offload:
 ``--host-ram``, else this machine's RAM when it holds the GPU planned for, else the GPU profile's
-typical host. Only when nothing fits with the margins is a plan accepted without them, and then it
-is marked tight.
+typical host (NVMe offload: the buffers ZeRO-Infinity pins there). Only when nothing fits with the
+margins is a plan accepted without them, and then it is marked tight.
 
 **Choice** (:mod:`.rank`): GPU-resident first (offload, or a distributed engine on one GPU, only
-when nothing else fits at any tier); then the best quality tier (full > LoRA on a 16-bit base >
-LoRA on an 8-bit base > QLoRA); then the most tokens/s. A much faster lower tier is named in a
-note, never chosen silently.
+when nothing else fits at any tier; NVMe only when CPU offload does not fit either); then the best
+quality tier (full > LoRA on a 16-bit base > LoRA on an 8-bit base > QLoRA) while it is at most
+:data:`.rank.TIER_SLOWDOWN_MAX` times slower than a lower tier (a better tier passed over is named
+in a note); then the most tokens/s. A much faster lower tier is named in a note.
 
 Knobs the search does not vary unless fixed by the user: the loss implementation (``hf``), LoRA
 alpha/dropout/targets, double quantization, and optimizers that change the recipe (SGD, Lion,

@@ -216,7 +216,14 @@ class Result:
     floors: list[Candidate]  # per family, smallest memory seen
 
     def choose(self) -> Candidate | None:
-        """The chosen candidate (:func:`~.rank.choose`), at its largest fitting micro-batch."""
+        """The chosen candidate (:func:`~.rank.choose`), at its largest fitting micro-batch. Each
+        tier's best is refined first, so the tier rule (:func:`~.rank.pick_tier`) compares the
+        speeds the plans would run at."""
+        tiers = rank.tier_bests(self.bests)
+        for c in tiers.values() if len(tiers) > 1 else ():
+            refined = self.search.refine_micro_batch(c)
+            if refined is not c:
+                self.bests[self.bests.index(c)] = refined
         chosen = rank.choose(self.bests)
         if chosen is None:
             return None

@@ -94,10 +94,9 @@ class Evaluator:
         return min(self.limits(bd)) if self.strict else self.target.gpu.usable_memory_bytes
 
     def host_need(self, setup: Setup, bd: Breakdown) -> int:
-        """Host RAM per node the offloaded state needs (NVMe-offloaded state lives on disk; activation
-        offloading's pinned copies are host RAM)."""
-        if "cpu" not in (setup.offload_optimizer, setup.offload_params) and not setup.activation_offload:
-            return 0
+        """Host RAM per node the offloaded state needs: ``Breakdown.host_bytes`` per GPU, CPU offload's
+        state, activation offloading's pinned copies and, under NVMe offload, the pinned buffers
+        ZeRO-Infinity keeps in host RAM (the state on NVMe is not host RAM: estimator/distributed.py)."""
         return bd.host_bytes * (self.target.gpus // self.target.nodes)
 
     def speed_bound(self, setup: Setup) -> float:

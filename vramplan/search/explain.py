@@ -12,13 +12,28 @@ from .core import Result
 from .explain_objectives import objective_notes
 from .geometry import DEFAULT_HOST_RAM_PER_GPU, Target
 from .labels import describe, duration, method_name, quality_label, savers_text, size
-from .rank import TIERS, front, much_faster_lower_tier, quality, residency, tier
+from .rank import (
+    TIER_SLOWDOWN_MAX,
+    TIERS,
+    fastest_lower,
+    front,
+    much_faster_lower_tier,
+    passed_over,
+    placement,
+    quality,
+    residency,
+    tier,
+)
 from .relax import Relaxation
 from .space import family_key
 from .verdicts import Candidate, Misfit
 
 #: At most this many why-not lines about the chosen family's faster settings.
 MAX_SAME_FAMILY_REJECTIONS = 4
+#: The plan options that fix a quality tier (:data:`~.rank.TIERS`): what a note tells a user who
+#: wants a tier passed over for speed.
+TIER_FLAGS = {3: "--method full", 2: "--method lora --quant none", 1: "--method lora --quant int8",
+              0: "--method qlora"}
 
 
 def sizes(a: float, b: float) -> tuple[str, str]:
@@ -69,6 +84,13 @@ def _fits_text(c: Candidate, ev) -> str:
             + f", at {c.tokens_per_s:,.0f} tokens/s")
 
 
+def _slower_text(slow: Candidate, quick: Candidate) -> str:
+    """Why a better tier that fits was passed over: how much slower it is, the rule, the flag."""
+    return (f"{quick.tokens_per_s / slow.tokens_per_s:.1f}x slower than {quality_label(quick.setup)} "
+            f"({TIERS[tier(quick.setup)]}, {quick.tokens_per_s:,.0f} tokens/s); a better tier is taken only "
+            f"while at most {TIER_SLOWDOWN_MAX:g}x slower than a lower one ({TIER_FLAGS[tier(slow.setup)]} keeps it)")
+
+
 def _rejection(setup, head: str, reason: str, misfit: Misfit | None, total: int, kind, usable: int) -> Rejected:
     return Rejected(setup=setup, reason=f"{head}{reason}", device_total_bytes=total, kind=kind,
                     limit_bytes=misfit.limit_bytes if misfit is not None else usable,
@@ -88,6 +110,8 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
         bests_of.setdefault(family_key(c.setup), []).append(c)
     lowest_of = {family_key(c.setup): c for c in result.floors}
     out: list[Rejected] = []
+    over = passed_over(result.bests, chosen) if chosen else []
+    over_by = {id(c): fastest_lower(result.bests, c) for c in over}
     for fam in sorted(result.families, key=lambda f: -quality(f)):
         if tier(fam) <= t0:
             continue
@@ -100,11 +124,19 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
         misfit = plain.misfit if plain.breakdown is not None else ev.misfit(plain.setup, bd)
         head = f"{method_name(fam)}: " + (f"{misfit_text(misfit)} as it runs fastest ({savers_text(plain.setup)})"
                                           if misfit is not None else f"fits with {savers_text(plain.setup)}")
-        found = sorted(bests_of.get(key, []), key=lambda c: residency(c.setup))
-        if found:
+        found = sorted(bests_of.get(key, []), key=lambda c: placement(c.setup))
+        slow = next((c for c in over if family_key(c.setup) == key), None)
+        if slow is not None:
+            reason = f"; fits with {_fits_text(slow, ev)}: {_slower_text(slow, over_by[id(slow)])}"
+            kind = "too_slow"
+        elif found:
             b = found[0]
-            why = "CPU/NVMe offload" if residency(b.setup) == 2 else "a distributed engine on one GPU"
-            reason = f"; fits only with {_fits_text(b, ev)}: {why} is a last resort while a plan without it fits"
+            if chosen is not None and placement(b.setup) == 3 and placement(chosen.setup) == 2:
+                why = "NVMe offload is a last resort while a plan with CPU offload fits"
+            else:
+                why = ("CPU/NVMe offload" if residency(b.setup) == 2 else "a distributed engine on one GPU") + \
+                    " is a last resort while a plan without it fits"
+            reason = f"; fits only with {_fits_text(b, ev)}: {why}"
             kind = "needs_offload"
         else:
             low = lowest_of.get(key)
@@ -314,20 +346,31 @@ def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, 
                           "may run out of memory", "tight"))
     if residency(chosen.setup) == 2 and not any(k in result.search.space.fixed for k in
                                                  ("offload_optimizer", "offload_params")):
-        notes.append(Note("offload: no plan without CPU/NVMe offload fits at any quality tier", "offload"))
+        notes.append(Note("offload: no plan without CPU/NVMe offload fits at any quality tier"
+                          + (", nor one with CPU offload (host RAM)" if placement(chosen.setup) == 3 else ""),
+                          "offload"))
+    for slow in passed_over(result.bests, chosen):
+        notes.append(Note(f"{TIERS[tier(slow.setup)]} fits ({savers_text(slow.setup)}, "
+                          f"~{slow.tokens_per_s:,.0f} tokens/s) but is "
+                          f"{_slower_text(slow, fastest_lower(result.bests, slow))}", "higher_tier_slower"))
     quick = much_faster_lower_tier(result.bests, chosen)
     if quick is not None:
         notes.append(Note(f"{quality_label(quick.setup)} ({TIERS[tier(quick.setup)]}) would be "
                           f"{quick.tokens_per_s / chosen.tokens_per_s - 1:.0%} faster "
                           f"({quick.tokens_per_s:,.0f} tokens/s, {savers_text(quick.setup)}); kept "
-                          f"{TIERS[tier(chosen.setup)]}, the better quality tier that fits", "lower_tier_faster"))
+                          f"{TIERS[tier(chosen.setup)]}, the better quality tier that fits within "
+                          f"{TIER_SLOWDOWN_MAX:g}x of its speed", "lower_tier_faster"))
     text = f"largest micro-batch that fits this setup: {biggest}"
     if biggest > chosen.setup.batch:
         text += (f" (the global batch allows {chosen.setup.batch})" if batch_fixed
                  else f" (at most {result.search.shape.micro_batches[-1]} are tried)")
     notes.append(Note(text, "micro_batch"))
     need = ev.host_need(chosen.setup, bd)
-    if need:
+    nvme = bd.component("nvme_offload")
+    if need and nvme and "cpu" not in (chosen.setup.offload_optimizer, chosen.setup.offload_params):
+        notes.append(Note(f"NVMe offload needs {size(need)} of host RAM per node (page-locked gradient and swap "
+                          f"buffers); the offloaded state, {size(nvme)} per GPU, is on NVMe", "host_ram"))
+    elif need:
         notes.append(Note(f"CPU offload needs {size(need)} of host RAM per node", "host_ram"))
     notes.append(host_ram_source_note(target))
     if chosen.setup.attn == "flash":  # on a card before Ampere the estimate's own note says it cannot run

@@ -4,9 +4,13 @@
 
 1. **GPU-resident first** (:func:`residency`): a plan without CPU/NVMe offload, and on one GPU
    without a distributed engine (DeepSpeed, FSDP), wins whenever one fits at any tier; offload is
-   a last resort (unless the user fixed it, when every candidate offloads).
+   a last resort (unless the user fixed it, when every candidate offloads), and NVMe offload
+   (``--nvme``) one past CPU offload (:func:`placement`).
 2. **Quality tier** (:func:`tier`): full > LoRA on a 16-bit base > LoRA on an 8-bit base > QLoRA
-   (a 4-bit base). LoRA rank is not part of it: the rank is the user's (``--lora-rank``, default
+   (a 4-bit base), while the better tier is at most :data:`TIER_SLOWDOWN_MAX` times slower than
+   the fastest plan of a lower tier at the same placement (:func:`pick_tier`); a better tier that
+   costs more is passed over, and the plan's note says so (``--method full``, ``--quant none``
+   fix the tier). LoRA rank is not part of it: the rank is the user's (``--lora-rank``, default
    16); a range lets the search pick inside it by speed alone.
 3. **Least time**: the most tokens/s (the user's tokens in the least time); equal speed falls
    back to the higher rank, then to less memory.
@@ -32,6 +36,18 @@ MAX_ALTERNATIVES = 8
 MAX_PER_METHOD = 3
 #: A plan of a lower tier this much faster than the chosen one is named in a note (never chosen).
 MUCH_FASTER = 0.25
+#: A better quality tier is chosen only while its plan is at most this many times slower (tokens/s)
+#: than the fastest plan of any lower tier at the same placement. Why 2: the tiers' quality gaps are
+#: modest for instruction tuning (QLoRA matches 16-bit LoRA, Dettmers et al. 2023, arXiv:2305.14314;
+#: full fine-tuning leads LoRA mostly on code/math continued pre-training, Biderman et al. 2024,
+#: arXiv:2405.09673), while a run that takes more than twice as long halves the experiments a
+#: practitioner can run in the same GPU-hours. Over the shipped profiles (7-72B on RTX 3090/4090,
+#: A100-80GB, H100; 1, 2 and 8 GPUs) an ordinary full fine-tune runs at 0.7-1.9x the time of the
+#: fastest lower tier in the cost model and stays full; what 2x passes over is full fine-tuning or a
+#: 16-bit base that fits only through NVMe (5-34x), a 70B gathered by ZeRO-3 over 8 GPUs (5-6x),
+#: GRPO with HF generate beside LoRA (2.3-2.4x). ``--method full`` (``--method lora --quant none``)
+#: keeps the tier.
+TIER_SLOWDOWN_MAX = 2.0
 #: Liger's kernels are an extra dependency (liger-kernel, Triton, CUDA only): a plan takes them only
 #: when they buy at least this much speed over the best plan without them at the same residency and
 #: quality tier (a larger micro-batch, checkpointing off), never for a few per cent
@@ -75,6 +91,14 @@ def residency(setup: Setup) -> int:
     return 1 if setup.gpus == 1 and engine(setup) else 0
 
 
+def placement(setup: Setup) -> int:
+    """:func:`residency`, with NVMe offload one step past CPU offload (3): ZeRO-Infinity swaps the
+    state through a local NVMe drive, slower than host RAM and one more thing to set up, so a plan
+    takes it only when no plan with CPU offload fits (host RAM) at any tier. Lower is preferred."""
+    r = residency(setup)
+    return 3 if r == 2 and "nvme" in (setup.offload_optimizer, setup.offload_params) else r
+
+
 def extras(setup: Setup) -> int:
     """How many non-default parts a plan adds to the run: Liger's kernels (liger-kernel, Triton, CUDA),
     vLLM for GRPO's generation (another engine beside the trainer), DPO's reference log-probs
@@ -85,9 +109,10 @@ def extras(setup: Setup) -> int:
 
 
 def klass(setup: Setup) -> tuple[int, int]:
-    """The classes a family's candidates are searched in apart: residency, then the extra parts
-    (:func:`extras`), so a faster Liger or vLLM plan never hides the plain one from the alternatives."""
-    return residency(setup), extras(setup)
+    """The classes a family's candidates are searched in apart: :func:`placement` (CPU and NVMe
+    offload apart), then the extra parts (:func:`extras`), so a faster Liger or vLLM plan never
+    hides the plain one from the alternatives."""
+    return placement(setup), extras(setup)
 
 
 def order(c: Candidate) -> tuple:
@@ -98,21 +123,63 @@ def order(c: Candidate) -> tuple:
             c.setup.lora_rank if c.setup.adapters else 0, -c.device_total_bytes)
 
 
-def choose(bests: Sequence[Candidate]) -> Candidate | None:
-    """The candidate a plan picks among the fitting ones (None: none fits): the best by
-    :func:`order`, unless its extra parts (:func:`extras`: Liger's kernels, vLLM, precomputed
-    reference log-probs) buy less than :data:`LIGER_MIN_GAIN` over the best candidate with fewer
-    of them of the same residency and tier."""
-    if not bests:
-        return None
-    best = max(bests, key=order)
-    if extras(best.setup):
-        plain = [c for c in bests if extras(c.setup) < extras(best.setup)
-                 and residency(c.setup) == residency(best.setup) and tier(c.setup) == tier(best.setup)]
+def best_of_class(bests: Sequence[Candidate]) -> Candidate | None:
+    """The best of candidates of one placement and tier by :func:`order`, unless its extra parts
+    (:func:`extras`: Liger's kernels, vLLM, precomputed reference log-probs) buy less than
+    :data:`LIGER_MIN_GAIN` over the best candidate with fewer of them."""
+    best = max(bests, key=order, default=None)
+    if best is not None and extras(best.setup):
+        plain = [c for c in bests if extras(c.setup) < extras(best.setup)]
         alt = max(plain, key=order, default=None)
         if alt is not None and best.tokens_per_s < (1 + LIGER_MIN_GAIN) * alt.tokens_per_s:
             return alt
     return best
+
+
+def tier_bests(bests: Sequence[Candidate]) -> dict[int, Candidate]:
+    """Per quality tier, the best candidate (:func:`best_of_class`) at the best :func:`placement`
+    any candidate reaches; best tier first."""
+    if not bests:
+        return {}
+    res = min(placement(c.setup) for c in bests)
+    pool = [c for c in bests if placement(c.setup) == res]
+    tiers = sorted({tier(c.setup) for c in pool}, reverse=True)
+    return {t: best_of_class([c for c in pool if tier(c.setup) == t]) for t in tiers}
+
+
+def pick_tier(per_tier: dict[int, Candidate]) -> int | None:
+    """The best tier whose plan is at most :data:`TIER_SLOWDOWN_MAX` times slower than the fastest
+    plan of every lower tier (None: no tier)."""
+    for t in sorted(per_tier, reverse=True):
+        lower = [c.tokens_per_s for u, c in per_tier.items() if u < t]
+        if not lower or TIER_SLOWDOWN_MAX * per_tier[t].tokens_per_s >= max(lower):
+            return t
+    return None
+
+
+def choose(bests: Sequence[Candidate]) -> Candidate | None:
+    """The candidate a plan picks among the fitting ones (None: none fits): at the best placement,
+    the best quality tier no more than :data:`TIER_SLOWDOWN_MAX` times slower than a lower one
+    (:func:`pick_tier`), and in it the best by :func:`order` with :func:`best_of_class`'s rule for
+    the extra parts."""
+    per_tier = tier_bests(bests)
+    t = pick_tier(per_tier)
+    return None if t is None else per_tier[t]
+
+
+def fastest_lower(bests: Sequence[Candidate], c: Candidate) -> Candidate | None:
+    """The fastest of the tiers' bests (:func:`tier_bests`) below ``c``'s tier: what
+    :func:`pick_tier` measured ``c`` by."""
+    return max((b for t, b in tier_bests(bests).items() if t < tier(c.setup)), key=lambda b: b.tokens_per_s,
+               default=None)
+
+
+def passed_over(bests: Sequence[Candidate], chosen: Candidate) -> list[Candidate]:
+    """The best plans of better tiers than ``chosen``'s at its placement: fitting, but more than
+    :data:`TIER_SLOWDOWN_MAX` times slower than a lower tier, best tier first."""
+    if placement(chosen.setup) != min((placement(c.setup) for c in bests), default=placement(chosen.setup)):
+        return []
+    return [c for t, c in tier_bests(bests).items() if t > tier(chosen.setup)]
 
 
 def much_faster_lower_tier(bests: Sequence[Candidate], chosen: Candidate) -> Candidate | None:

@@ -59,6 +59,28 @@ def first_fit(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[st
     return fit_and_floor(spec, target, shape, fixed, band, ranks)[0]
 
 
+def more_host_ram(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any], band: float | None,
+                  ranks: tuple[int, ...] | None = None) -> list[Relaxation]:
+    """Host RAM unchecked: the plan chosen there and, when NVMe is allowed and the offload is not
+    fixed, the plan with both offloads on NVMe when it needs under half its host RAM (ZeRO-Infinity
+    pins buffers where CPU offload holds the whole state)."""
+    unchecked = dataclasses.replace(target, host_ram_bytes=None, host_ram_source="unchecked")
+    c = first_fit(spec, unchecked, shape, fixed, band, ranks)
+    if c is None:
+        return []
+    ev = Evaluator(spec, target, shape, band)
+    need = ev.host_need(c.setup, c.breakdown)
+    out = [Relaxation("host_ram", c, host_ram_bytes=need / HOST_RAM_SHARE)]
+    placement = {"zero_stage", "offload_optimizer", "offload_params", "fsdp"}
+    if target.nvme and not placement & fixed.keys() and "nvme" not in (c.setup.offload_optimizer,
+                                                                          c.setup.offload_params):
+        on_nvme = {**fixed, "zero_stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"}
+        n = first_fit(spec, unchecked, shape, on_nvme, band, ranks)
+        if n is not None and ev.host_need(n.setup, n.breakdown) < need / 2:
+            out.append(Relaxation("host_ram", n, host_ram_bytes=ev.host_need(n.setup, n.breakdown) / HOST_RAM_SHARE))
+    return out
+
+
 def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any], band: float | None,
                global_batch: int | None, gpu_floor: float, ranks: tuple[int, ...] | None = None) -> list[Relaxation]:
     """Re-run the search under relaxed constraints and say what would fit.
@@ -117,11 +139,7 @@ def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[s
         if c is not None:
             out.append(Relaxation("nvme", c))
     if target.host_ram_bytes is not None:
-        c = first_fit(spec, dataclasses.replace(target, host_ram_bytes=None, host_ram_source="unchecked"), shape,
-                      fixed, band, ranks)
-        if c is not None:
-            need = Evaluator(spec, target, shape, band).host_need(c.setup, c.breakdown)
-            out.append(Relaxation("host_ram", c, host_ram_bytes=need / HOST_RAM_SHARE))
+        out += more_host_ram(spec, target, shape, fixed, band, ranks)
     pinned = tuple(k for k in fixed if k not in NOT_PINNING)
     if pinned:
         c = first_fit(spec, target, shape, {k: v for k, v in fixed.items() if k not in pinned}, band,

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..compat import known_failures, runs
 from ..estimator.eval_step import eval_unmodelled
+from ..estimator.hybrid_shard import check_hybrid
 from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
 from ..estimator.layer_split import check_supported as layer_split_supported
 from ..estimator.liger import LIGER_FAMILIES
@@ -43,7 +44,8 @@ def rank_choices(lo: int, hi: int) -> tuple[int, ...]:
 FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quant", "double_quant",
            "quant_bits", "quant_group_size",
            "precision", "optimizer", "checkpointing", "checkpoint_every", "attn", "zero_stage", "offload_optimizer",
-           "offload_params", "loss", "batch", "grad_accum", "fsdp", "fsdp_version", "liger", "activation_offload",
+           "offload_params", "loss", "batch", "grad_accum", "fsdp", "fsdp_version", "dp_replicate", "liger",
+           "activation_offload",
            # how the data is batched (a padding-free collator): the user's pipeline, fixed, never searched
            "padding_free",
            # searched where legal (:meth:`Space.in_backward_choices`); a fixed one is kept
@@ -185,6 +187,7 @@ class Space:
                             if every > 1:
                                 check_selective(self.model, s)
                             check_fsdp2(self.model, s)  # a fixed --fsdp-version 2: only what FSDP2 models
+                            check_hybrid(self.model, s)  # a fixed --dp-replicate: only what HSDP models
                         except SpecError:
                             continue
                         if not runs(s, self.model):

@@ -170,10 +170,14 @@ def build_model(args: argparse.Namespace, checkpoint: str | None = None) -> torc
         # with fewer than two GPUs (or --cpu) there is nothing to split over: one device
         several = not args.cpu and torch.cuda.device_count() > 1
         kwargs["device_map"] = PLAN["device_map"] if several else {"": _device(args)}
+        if several and PLAN.get("max_memory"):  # accelerate's caps: {GPU index: bytes}
+            kwargs["max_memory"] = PLAN["max_memory"]
     if PLAN.get("tp"):  # tensor parallelism: transformers' tp_plan over the launched processes (DTensor shards)
         from transformers.distributed.configuration_utils import DistributedConfig
 
-        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=PLAN["tp"])
+        # beside FSDP2 (fsdp_size): transformers 5.24 fully_shards the TP model itself, on one 2-D mesh
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=PLAN["tp"],
+                                                         fsdp_size=PLAN.get("fsdp_size", 1))
     source = checkpoint or args.model
     if source:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -418,7 +422,9 @@ def build_trainer(args: argparse.Namespace, callbacks=()) -> Trainer:
     """TrainingArguments, then the model (ZeRO-3 needs that order), the data and the Trainer."""
     _require_prequantized(args)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = random_checkpoint(args, tmp) if PLAN["quant"] != "none" and not args.model else None
+        # a quantized or tensor-parallel base loads through from_pretrained: save it while no group exists
+        random_base = PLAN["quant"] != "none" or PLAN.get("tp")
+        checkpoint = random_checkpoint(args, tmp) if random_base and not args.model else None
         if args.deepspeed:
             _init_deepspeed()
         training_args = _training_arguments(args)
