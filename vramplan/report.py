@@ -249,7 +249,10 @@ def html_report(plan: Plan, title: str | None = None) -> str:
         rows.append(f"<tr><th>speed</th><td>~{plan.tokens_per_s:,.0f} tokens/s, {plan.step_time_s or 0:.2f} s per step "
                     f"(global batch {plan.global_batch})</td></tr>")
     if bd.host_bytes:
-        rows.append(f"<tr><th>host RAM</th><td>{gib(bd.host_bytes, 1)} GiB per GPU offloaded</td></tr>")
+        rows.append(f"<tr><th>host RAM</th><td>{gib(bd.host_bytes, 1)} GiB per GPU (offloaded state, pinned buffers)"
+                    "</td></tr>")
+    if nvme := bd.component("nvme_offload"):
+        rows.append(f"<tr><th>NVMe</th><td>{gib(nvme, 1)} GiB per GPU (swapped state)</td></tr>")
     if plan.host_ram_bytes:
         rows.append(f"<tr><th>host RAM checked</th><td>{gib(plan.host_ram_bytes, 1)} GiB per node "
                     f"({_e(plan.host_ram_source or 'given')})</td></tr>")

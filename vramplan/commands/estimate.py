@@ -87,7 +87,9 @@ def print_breakdown(bd) -> None:
                              ("device total", "device_total_bytes", "nvidia-smi; judged for fit")):
         head.add_row(label, f"{gib(getattr(bd, key))} GiB", band_text(bd, key), what)
     if bd.host_bytes:
-        head.add_row("host RAM", f"{gib(bd.host_bytes)} GiB", "", "offloaded state")
+        head.add_row("host RAM", f"{gib(bd.host_bytes)} GiB", "", "offloaded state, pinned buffers")
+    if bd.component("nvme_offload"):
+        head.add_row("NVMe", f"{gib(bd.component('nvme_offload'))} GiB", "", "state ZeRO-Infinity swaps to the drive")
     console.print(head)
     if bd.per_rank:
         ranks = Table(show_edge=False, pad_edge=False)

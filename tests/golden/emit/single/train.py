@@ -448,8 +448,22 @@ def build_trainer(args: argparse.Namespace, callbacks=()) -> Trainer:
     if PLAN.get("optimizer_in_backward"):  # one GPU, no grad accumulation: the Trainer's optimizer steps
         steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * (len(dataset) // args.batch))
         optimizers = (in_backward_optimizer(model, training_args, steps), None)
-    return trainer_class(model=model, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset,
-                         data_collator=collator, callbacks=callbacks, optimizers=optimizers)
+    trainer = trainer_class(model=model, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset,
+                            data_collator=collator, callbacks=callbacks, optimizers=optimizers)
+    _keep_fsdp1_precision(trainer)
+    return trainer
+
+
+def _keep_fsdp1_precision(trainer: Trainer) -> None:
+    """QLoRA under FSDP1: keep accelerate_config.yaml's mixed precision. transformers 5.24's
+    update_fsdp_plugin_peft (Trainer._prepare_for_training) otherwise gives a 4-bit base stored as
+    bf16 a bf16 MixedPrecision whatever the YAML says; FSDP1 casts no unit's inputs, and peft 0.21's
+    Linear4bit casts x to lora_A's fp32 weight outside lora_A's own unit, so lora_A's F.linear gets
+    fp32 x and bf16 weights and fails. With the YAML's policy the adapters run as the plan
+    estimated them (fp32 under pure bf16)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and getattr(plugin, "fsdp_version", 1) == 1 and PLAN["quant"] in ("nf4", "fp4"):
+        plugin.set_mixed_precision = lambda *args, **kwargs: None
 
 
 def _training_arguments(args: argparse.Namespace) -> TrainingArguments:
