@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from ..specs import Setup, SpecError
 from .fsdp import ResizingCounter
-from .ranks import RankPeak, launch_ranks, one_thread_gloo, rank_worker
+from .ranks import RankPeak, counter_peak, launch_ranks, one_thread_gloo, rank_worker
 from .tiny import TINY_SEQ
 from .tp_truth import DTensorCounter
 
@@ -76,46 +76,13 @@ def run_cp(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ, t
 
 
 class CpCounter(DTensorCounter, ResizingCounter):
-    """The FSDP2 truth's counter (a DTensor counted by its local shard, resized storages re-read)
-    that also counts an ``AsyncCollectiveTensor`` by the tensor it wraps: the functional collectives
-    the ring issues (``all_gather_single``, ``permute_tensor``) hand back that wrapper subclass, whose
-    own storage reports the full size but holds nothing (counted as it is, a gathered K/V buffer
-    counts twice)."""
+    """The FSDP2 truth's counter: a DTensor counted by its local shard, an ``AsyncCollectiveTensor``
+    (what the ring's ``all_gather_single``/``permute_tensor`` hand back) by the tensor it wraps,
+    resized storages re-read, and each collective drained on its group's gloo worker
+    (:meth:`vramplan.run.tp_truth.DTensorCounter._after_op`) so its tensors die on this thread's
+    time: without a drain the same ring (same rank, same shapes) still held its gathered K/V and
+    their concatenation (98 KB) after its forward in one run of two."""
 
-    def _track(self, tensor) -> int | None:
-        return super()._track(_unwrapped(tensor))
-
-    def sid_of(self, tensor) -> int | None:
-        return super().sid_of(_unwrapped(tensor))
-
-    #: the process groups whose gloo workers are drained after each collective (set by the worker:
-    #: the default group, the cp mesh's and FSDP2's dp_shard_cp mesh's)
-    drain_groups: tuple = ()
-
-    def _after_op(self, func, *_args) -> None:
-        """After a collective, two barriers on each of the truth's groups: each group has its own
-        (single, :func:`vramplan.run.ranks.one_thread_gloo`) gloo worker, and the tensors of a
-        collective must die on this thread's time, not a moment later on the worker's (as
-        :class:`vramplan.run.tp_truth.DTensorCounter` explains). One barrier is not enough for the
-        ring's functional collectives: with one, the same ring (same rank, same shapes) still held
-        its gathered K/V and their concatenation (98 KB) after its forward in one run of two, gone
-        0.2 s later; with two, runs agree to the byte. Every rank issues the same collectives, so
-        the same barriers."""
-        if func.namespace in _COLLECTIVES and func._opname not in _NOT_DRAINED:
-            import torch.distributed as dist
-
-            for group in self.drain_groups or (None,):
-                dist.barrier(group=group)
-                dist.barrier(group=group)
-
-
-#: The dispatcher namespaces of torch's collectives, and the ops there that start no work to drain.
-_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
-_NOT_DRAINED = frozenset({"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier"})
-
-
-def _unwrapped(tensor):
-    return tensor.elem if type(tensor).__name__ == "AsyncCollectiveTensor" else tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +223,6 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
         acc, wrapped, opt = _prepare(setup, world, model, opt)
         mesh = acc.torch_device_mesh
         group = mesh["cp"].get_group()
-        counter.drain_groups = (None, group, mesh["dp_shard_cp"].get_group())
         seen: list[int] = []
         for step in range(2):
             if step == 1:
@@ -276,8 +242,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         counter.phase(None)
-    peak = {"rank": int(os.environ["RANK"]), "device_bytes": counter.device_peak, "phase": counter.device_phase,
-            "phase_peaks": dict(counter.device_phase_peaks), "host_bytes": counter.host_peak, "init_bytes": 0}
+    peak = counter_peak(counter)
     if counter.detail:
         listing = sorted(((n, counter.sites.get(sid, "tracked")) for sid, n in counter.at_peak.items()), reverse=True)
         with open(os.path.join(os.environ["VRAMPLAN_CP_DETAIL"], f"rank{peak['rank']}.txt"), "w") as f:
@@ -332,7 +297,6 @@ def _probe_worker(job_path: str) -> None:
     import torch.distributed._functional_collectives as ft_c
 
     counter = CpCounter()
-    counter.drain_groups = (mesh.get_group(),)
     with counter:
         gathered = ft_c.all_gather_single(q.contiguous(), gather_dim=0, group=mesh.get_group()).wait()
         counted = counter.current_bytes

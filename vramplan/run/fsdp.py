@@ -59,7 +59,7 @@ from pathlib import Path
 from ..specs import Setup, SpecError
 from .hsdp import cpu_node_size
 from .live import SplitCounter
-from .ranks import RankPeak, failed_launch_rows, launch_ranks, saved_checkpoint
+from .ranks import RankPeak, counter_peak, failed_launch_rows, launch_ranks, saved_checkpoint
 from .tiny import OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_config, tiny_model
 
 # ----------------------------------------------------------------------------------------------
@@ -361,8 +361,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
         counter.phase(None)
     if wrapper == "DistributedDataParallel":  # outside the counter: this allocates zeroed buckets
         units = len(wrapped.reducer._get_zeros_like_grad_buckets())
-    peak = {"rank": int(os.environ["RANK"]), "device_bytes": counter.device_peak, "phase": counter.device_phase,
-            "phase_peaks": dict(counter.device_phase_peaks), "host_bytes": counter.host_peak, "init_bytes": 0}
+    peak = counter_peak(counter)
     if offload:
         from torch.distributed.fsdp._flat_param import FlatParamHandle
 

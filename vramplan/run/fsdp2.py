@@ -35,13 +35,12 @@ shards, so the ranks' peaks agree.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
 from ..specs import Setup, SpecError
 from .hsdp import attach_mesh
-from .ranks import RankPeak, failed_launch_rows, launch_ranks, rank_worker
+from .ranks import RankPeak, counter_peak, failed_launch_rows, launch_ranks, rank_worker
 from .tiny import MOE_BASES, OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_config, tiny_model
 
 
@@ -166,8 +165,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str = "") -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         counter.phase(None)
-    peak = {"rank": int(os.environ["RANK"]), "device_bytes": counter.device_peak, "phase": counter.device_phase,
-            "phase_peaks": dict(counter.device_phase_peaks), "host_bytes": counter.host_peak, "init_bytes": 0}
+    peak = counter_peak(counter)
     del wrapped, model, opt, acc
     gc.collect()
     return {"peak": peak, "groups": groups}

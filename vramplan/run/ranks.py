@@ -30,6 +30,13 @@ class RankPeak:
     init_bytes: int = 0  # live bytes (host and device) peak up to the end of deepspeed.initialize
 
 
+def counter_peak(counter, init_bytes: int = 0) -> dict:
+    """This rank's :class:`RankPeak` fields (as JSON) from a SplitCounter that measured its step."""
+    return {"rank": int(os.environ["RANK"]), "device_bytes": counter.device_peak, "phase": counter.device_phase,
+            "phase_peaks": dict(counter.device_phase_peaks), "host_bytes": counter.host_peak,
+            "init_bytes": init_bytes}
+
+
 def launch_ranks(module: str, job: dict, world: int, timeout_s: float, env: dict, what: str) -> list:
     """Run ``python -m MODULE JOB`` as ``world`` local ranks (RANK/WORLD_SIZE/LOCAL_RANK, a free
     port on 127.0.0.1, ``env`` added) and return each rank's JSON result, which the worker writes
@@ -109,8 +116,8 @@ def one_thread_gloo() -> None:
     the main thread has let go) only after it has woken the main thread
     (``ProcessGroupGloo::runLoop``: ``AsyncWork::execute(work)`` then ``workInProgress_[i].reset()``),
     so such a tensor dies a moment late and a live-tensor counter may see it beside the next ones.
-    With one worker, a barrier issued after a collective returns only once that collective's work
-    is gone: :class:`vramplan.run.tp_truth.DTensorCounter` drains each collective this way.
+    With one worker, a small collective issued after it on the same group returns only once that
+    collective's work is gone: :class:`vramplan.run.tp_truth.DTensorCounter` drains each one so.
     """
     import datetime
 

@@ -24,7 +24,7 @@ from typing import Any
 from ..specs import Setup, SpecError
 from .distributed import ds_config
 from .live import SplitCounter
-from .ranks import saved_checkpoint
+from .ranks import counter_peak, saved_checkpoint
 
 
 def _worker(job_path: str) -> None:
@@ -249,8 +249,7 @@ def _run_one(config: dict, setup: Setup, seq: int, detail: bool = False, nvme_pa
                 engine.step()
         counter.phase(None)
     undo_int8()
-    peak = {"rank": int(os.environ["RANK"]), "device_bytes": counter.device_peak, "phase": counter.device_phase,
-            "phase_peaks": dict(counter.device_phase_peaks), "host_bytes": counter.host_peak, "init_bytes": init_bytes}
+    peak = counter_peak(counter, init_bytes)
     out = {"peak": peak, "zero_optimizer": type(engine.optimizer).__name__,
            "inner_optimizer": type(engine.optimizer.optimizer).__name__}
     if detail:
