@@ -19,6 +19,8 @@ BAR_S = 0.3
 COMMANDS = [
     ["estimate", "llama-3.1-8b", "--gpu", "rtx-4090"],
     ["estimate", "llama-3.1-8b", "--gpu", "rtx-4090", "--json"],
+    ["estimate", "llama-3.1-8b", "--gpu", "rtx-4090", "--cp", "4", "--gpus", "4", "--fsdp", "full_shard",
+     "--fsdp-version", "2", "--seq", "32768", "--checkpointing"],
     ["models"],
 ]
 

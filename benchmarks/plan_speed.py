@@ -34,6 +34,12 @@ CASES = [
     ("llama-3.1-8b", "h100-sxm", {"gpus": 8, "global_batch": 64}, ["--gpus", "8", "--global-batch", "64"]),
     ("llama-3.1-70b", "h100-sxm", {"gpus": 16, "nodes": 2, "global_batch": 128, "nvme": True},
      ["--gpus", "16", "--nodes", "2", "--global-batch", "128", "--nvme"]),
+    # issue 17: hybrid sharding proposed on several nodes (above), TP x FSDP2 on one node of 8
+    ("qwen2.5-7b", "a10", {"gpus": 8, "method": "full", "liger": False},
+     ["--gpus", "8", "--method", "full", "--no-liger"]),
+    # issue 17: context parallelism taken for a sequence FSDP2 cannot hold on one card's share
+    ("llama-3.1-8b", "rtx-4090", {"gpus": 4, "seq": 32768, "method": "lora"},
+     ["--gpus", "4", "--seq", "32768", "--method", "lora"]),
     # issue 18: GRPO (HF generate vs vLLM at each share of the card) and DPO (the reference searched)
     ("qwen2.5-7b", "a100-80gb", {"objective": "grpo", "num_generations": 8, "max_completion_length": 1024},
      ["--objective", "grpo", "--num-generations", "8", "--max-completion-length", "1024"]),

@@ -7,8 +7,8 @@ Trainer, accelerate's FSDP prepare, torch 2.13's FSDP1 / ``fully_shard`` and tra
 tensor-parallel plan are real; the module's five stand-ins are what accelerate's accelerator branch
 does where it has no CPU branch (without them the FSDP1 YAML fails on every rank and the FSDP2 one
 trains unsharded under MULTI_CPU: :func:`test_accelerate_alone_runs_no_fsdp_on_cpu` pins both).
-Runs: FSDP1 (LoRA, CPU offload), FSDP2 (LoRA, bf16 MixedPrecisionPolicy), tensor parallelism 2, and
-tensor parallelism 2 x FSDP2 2 on 4 ranks; QLoRA under FSDP1 fails in the Trainer (pinned below).
+Runs: FSDP1 (LoRA, CPU offload), FSDP2 (LoRA, bf16 MixedPrecisionPolicy), tensor parallelism 2 (and with LoRA),
+and tensor parallelism 2 x FSDP2 2 on 4 ranks; QLoRA under FSDP1 fails in the Trainer (pinned below).
 The launches are ``slow`` (about 40-55 s each on 2 busy cores). Also here: why FSDP2 CPU offload
 stays refused (torch 2.13's offload copies are identities on a CPU mesh).
 """
@@ -182,11 +182,14 @@ def test_emitted_tp_config_and_train_py_run_on_two_cpu_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_emitted_tp_with_fsdp2_config_and_train_py_run_on_four_cpu_ranks(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_emitted_tp_with_fsdp2_config_and_train_py_run_on_four_cpu_ranks(tmp_path, grad_accum):
     """Tensor parallelism 2 beside FSDP2 sharding 2 (the YAML's parallelism_config, train.py's
     DistributedConfig(tp_size, fsdp_size): transformers 5.24 fully_shards the TP model on one 2-D mesh)
-    on 4 gloo ranks: each rank about a quarter of every parameter."""
-    folder, plan = _emit(tmp_path, Setup(batch=2, seq=32, gpus=4, tp=2, fsdp="full_shard", fsdp_version=2))
+    on 4 gloo ranks: each rank about a quarter of every parameter; with gradient accumulation too
+    (accelerate's no_sync is a no-op for that model: estimator/tp_fsdp2.py accumulated_grad_bytes)."""
+    folder, plan = _emit(tmp_path, Setup(batch=2, seq=32, gpus=4, tp=2, fsdp="full_shard", fsdp_version=2,
+                                         grad_accum=grad_accum))
     emitted = yaml.safe_load((folder / "accelerate_config.yaml").read_text())
     assert emitted["parallelism_config"]["parallelism_config_tp_size"] == 2
     for got in _launch(folder, plan, world=4):
@@ -227,3 +230,26 @@ def test_fsdp2_cpu_offload_copies_nothing_on_a_cpu_mesh_so_it_stays_refused():
     assert got == {"device": "cpu", "same_storage": True, "grad": "cpu"}
     with pytest.raises(SpecError, match="CPUOffloadPolicy.*no-op.*--fsdp-version 1"):
         estimate(load_model("llama-3.2-1b"), Setup(fsdp="full_shard", fsdp_version=2, gpus=2, offload_params="cpu"))
+
+
+@pytest.mark.slow
+def test_emitted_tp_lora_config_and_train_py_run_on_two_cpu_ranks(tmp_path):
+    """LoRA on the column-parallel Linears under tensor parallelism 2: train.py applies peft 0.21's
+    get_peft_model after the DTensor TP load (as vramplan/run/tp_lora.py ran it, right against an
+    unsharded step: tests/test_tp_lora.py), and the Trainer steps on 2 gloo ranks; each rank holds
+    half the base, every lora_A whole and its half of every lora_B (a DTensor)."""
+    from vramplan.run.tp_truth import COLWISE_TARGETS
+
+    setup = Setup(batch=2, seq=32, gpus=2, tp=2, method="lora", lora_rank=4, lora_targets=COLWISE_TARGETS)
+    folder, plan = _emit(tmp_path, setup)
+    assert "get_peft_model" in (folder / "train.py").read_text()
+    h, r, outs = TINY["hidden_size"], 4, (64, 32, 32, 128, 128)  # q, k, v (head_dim 16), gate, up
+    layers = TINY["num_hidden_layers"]
+    adapters = layers * sum(r * h + r * o for o in outs)
+    local_adapters = layers * sum(r * h + r * o // 2 for o in outs)
+    norms = (2 * layers + 1) * h  # replicated; everything else of the base is halved
+    assert plan.breakdown.params_trainable == adapters
+    for got in _launch(folder, plan):
+        assert got["tp_size"] == got["parallelism"]["tp"] == 2 and got["wrapper"] == "PeftModelForCausalLM"
+        base = got["model_param_numel"] - adapters
+        assert got["local_param_numel"] - local_adapters == (base - norms) // 2 + norms

@@ -32,7 +32,7 @@ TOLERANCE = 0.05  # every knob's bar (the distributed bar is 10%)
     ({"fsdp": "full_shard", "offload_params": "nvme"}, "FSDP offloads to CPU only"),
     ({"fsdp": "full_shard", "offload_optimizer": "cpu"}, "use --offload-params cpu"),
     ({"fsdp": "hybrid"}, "fsdp must be one of"),
-    ({"offload_params": "cpu"}, "or FSDP (--fsdp)"),
+    ({"offload_params": "cpu"}, "or --fsdp full_shard for FSDP"),
     # what torch 2.13's FSDP1 cannot run (each seen in vramplan.run.fsdp)
     ({"fsdp": "full_shard", "method": "lora", "quant": "int8"}, "Cannot flatten integer dtype tensors"),
     ({"fsdp": "full_shard", "method": "qlora", "precision": "bf16-mixed"}, "element by element"),

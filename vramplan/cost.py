@@ -28,15 +28,15 @@ by ``vramplan validate --throughput`` and ``benchmarks/throughput_accuracy.py``.
   (:func:`dequant_passes`) are not fitted (no published row).
 - **attention** (eager only): the materialised scores' traffic, :data:`EAGER_SCORE_BYTES`.
 - **optimizer**: memory-bound update on the GPU; offloaded, gradients cross the host link every
-  micro-step, the updated 16-bit parameters once per step, and CPU Adam runs at
-  :data:`CPU_ADAM_PARAMS_PER_S` per node.
+  micro-step, the updated 16-bit parameters once per step, and CPU Adam runs at :data:`CPU_ADAM_PARAMS_PER_S` per node.
 - **offload** (ZeRO-3 / FSDP parameter offload): the partition crosses the host link for the
   forward's and the backward's gathers (DeepSpeed reuses the recompute's gather in the backward; FSDP
   re-gathers for the recompute). Nothing of it is assumed hidden behind compute.
 - **comm**: ring collectives over ``interconnect_gbps``. Sharded parameters (ZeRO-3, FSDP
   FULL_SHARD) gather the (16-bit, or 4-bit for QLoRA) weights for every pass and reduce-scatter the
   gradients, at a fitted exposure; DDP / ZeRO-1/2 / SHARD_GRAD_OP traffic is exposed at
-  ``1 - COMM_OVERLAP`` (not fitted: no published row). Across nodes :data:`INTER_NODE_GBPS` bounds it.
+  ``1 - COMM_OVERLAP`` (not fitted: no published row). Across nodes :data:`INTER_NODE_GBPS` bounds it;
+  HSDP and TP x FSDP2 run them within their groups (vramplan/cost_parallel.py); CP's ring: vramplan/cost_cp.py.
 - **overhead**: per micro-step and layer, kernel launches and Python (:data:`LAYER_OVERHEAD_S`).
 
 Tokens/s counts every position of the micro-batch; with padded data the real-token rate is that times
@@ -66,6 +66,8 @@ from .cost_counts import (  # noqa: F401  (re-exported: vramplan.cost is the pub
     quantized_params,
     stack_of,
 )
+from .cost_cp import cp_cost
+from .cost_parallel import shard_group, tp_nodes
 from .estimator import trainable_params, weights_bytes
 from .estimator.act_offload import exposed_copy_bytes_per_micro_step as act_offload_bytes
 from .estimator.hybrid_shard import replica_bytes, shard_nodes, shard_ranks
@@ -427,11 +429,9 @@ def fitted_units(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, nodes: int
     per unit of 1/MFU). :func:`step_cost` multiplies them by :data:`CONSTANTS`; cost_fit fits them."""
     ga, tokens, bw = setup.grad_accum, setup.tokens, bandwidth(gpu)
     rate = peak_flops(gpu, setup) * batch_efficiency(tokens)
-    shard = 0.0
-    if sharded_params(setup):
-        ring = (shard_ranks(setup) - 1) / shard_ranks(setup)  # hybrid: gathers within the shard group
-        shard = ga * ring * (_grad_bytes(setup, k) + passes_per_micro_step(setup) * k.gathered_weight_bytes)
-        shard /= ring_bandwidth(gpu, shard_nodes(setup, nodes))  # (hybrid: the all-reduce is comm_s's)
+    g = shard_group(setup, nodes)  # cost_parallel.py: HSDP's shard group, TP x FSDP2's dp_shard (1/tp of each weight)
+    shard = ga * g.bytes_per_micro_step(_grad_bytes(setup, k), passes_per_micro_step(setup) * k.gathered_weight_bytes)
+    shard = shard / ring_bandwidth(gpu, g.nodes) if sharded_params(setup) else 0.0  # (HSDP's all-reduce: comm_s)
     return {
         "compute": ga * tokens * executed_flops_per_token(model, setup, k) / rate,
         "recompute": ga * tokens * recompute_flops_per_token(model, setup, k) / rate,
@@ -476,7 +476,7 @@ def step_cost(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, nodes:
     if setup.liger:
         inv_mfu /= LIGER_THROUGHPUT
     tp = setup.tp  # tensor parallelism: each GPU runs 1/tp of every matmul (estimator/tensor_parallel.py)
-    return StepCost(
+    return cp_cost(model, setup, ring_bandwidth(gpu, nodes), StepCost(  # --cp: one rank's share + the ring
         compute_s=u["compute"] * inv_mfu / tp,
         recompute_s=u["recompute"] * inv_mfu / tp,
         dequant_s=dequant,
@@ -485,14 +485,14 @@ def step_cost(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, nodes:
                         + act_offload_bytes(model, setup) / host_link(gpu)),
         comm_s=u["shard_comm"] * constants["shard_comm_exposure"] + (ga * micro + step) * (1.0 - COMM_OVERLAP)
         + ga * split_copy_bytes(model, setup) / ring_bandwidth(gpu, 1)  # a layer split's copies: not overlapped
-        + ga * tp_link_bytes(model, setup, gpu) / ring_bandwidth(gpu, 1),  # TP's all-reduces: not overlapped
+        + ga * tp_link_bytes(model, setup, gpu) / ring_bandwidth(gpu, tp_nodes(setup, nodes)),  # TP's: not overlapped
         overhead_s=ga * model.num_layers * LAYER_OVERHEAD_S + in_backward_overhead_s(model, setup),
         # a layer split is one process: its GPUs take turns on one micro-batch (naive pipeline)
         tokens_per_step=setup.tokens * ga * (1 if setup.device_map != "none" else setup.gpus // tp),
         lora_s=u["lora"] * constants["lora_passes"] / tp,
         kbit_s=u["kbit"] * constants["kbit_passes"],
         attention_s=attention,
-    )
+    ))
 
 
 def tokens_per_s(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, nodes: int = 1,

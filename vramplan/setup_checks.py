@@ -40,13 +40,8 @@ def lora_targets(model: ModelSpec, setup: Setup) -> tuple[list[LinearSpec], list
 
 #: Setup knobs the estimator does not model yet: field -> what a setup that sets it is told. A knob
 #: leaves this table in the change that models it (estimator term, truth, validate knob).
-NOT_MODELLED: dict[str, str] = {
-    "cp": "context parallelism (accelerate ParallelismConfig cp_size) is not modelled yet: accelerate 1.15 runs it "
-          "under FSDP2 only (Accelerator.maybe_context_parallel: torch 2.13's ring attention, which takes CUDA's "
-          "flash/efficient/cudnn SDPA only); its truth runs here (vramplan.run.cp_truth, a CPU stand-in for the "
-          "per-block kernel) and puts the ring's K/V and gradient buffers at 1-12 % over FSDP2 at seq/cp (cp 2-4, "
-          "tiny Llama); those buffers are not in the estimate yet",
-}
+NOT_MODELLED: dict[str, str] = {}
+# (context parallelism left it: estimator/context_parallel.py check_cp refuses what vramplan.run.cp_truth does not run)
 
 _SETUP_DEFAULTS = Setup()
 
@@ -97,7 +92,7 @@ def check_fsdp2(model: ModelSpec, setup: Setup) -> None:
 
 #: Setup knobs FSDP2 refuses away from their defaults (vramplan.run.fsdp2 runs none of them).
 _FSDP2_UNRUN = ("loss", "liger", "dora", "modules_to_save", "activation_offload", "checkpoint_every",
-                "optimizer_in_backward", "objective", "eval_batch", "cp", "padding_free")
+                "optimizer_in_backward", "objective", "eval_batch", "padding_free")
 # (--tp beside FSDP2: estimator/tp_fsdp2.py check_tp_fsdp2 refuses what run/tp_fsdp2.py does not run)
 
 
@@ -168,6 +163,10 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
     check_fsdp2(model, setup)
+    if setup.cp > 1:  # context parallelism: what its truth does not run is refused
+        from .estimator.context_parallel import check_cp
+
+        check_cp(model, setup)
     if setup.dp_replicate > 1:  # hybrid sharding: what its truths do not run is refused
         from .estimator.hybrid_shard import check_hybrid
 

@@ -184,8 +184,11 @@ class Setup:
                                 "4-bit weight in its forward to restore its quant state); use --fsdp full_shard")
             if self.offload_params == "cpu":  # FSDP steps the optimizer where the shards are: the host
                 object.__setattr__(self, "offload_optimizer", "cpu")
-        elif self.offload_params != "none" and self.zero_stage != 3:
-            raise SpecError("offloading parameters needs ZeRO stage 3 (--zero 3) or FSDP (--fsdp)")
+        elif self.offload_params != "none" and self.zero_stage != 3:  # deepspeed 0.19.8 zero/config.py offload_param
+            raise SpecError(f"--offload-params {self.offload_params} needs ZeRO stage 3: add --zero 3 (DeepSpeed's "
+                            "offload_param is valid only with stage 3)" + (
+                                "; FSDP's CPU offload is cpu only" if self.offload_params == "nvme"
+                                else ", or --fsdp full_shard for FSDP's CPU offload"))
         elif self.offload_optimizer != "none" and self.zero_stage == 0:
             raise SpecError("offloading the optimizer needs ZeRO (--zero 1, 2 or 3)")
         if not self.lora_targets.strip():

@@ -217,11 +217,12 @@ class Breakdown:
 #: ``higher_tier_slower`` a better tier fits but is over search.rank.TIER_SLOWDOWN_MAX slower (passed over);
 #: ``offload`` the plan offloads because nothing resident fits; ``host_ram_source`` which host
 #: RAM the plan was checked against; DPO/GRPO (search/explain_objectives.py): ``objective_speed`` the
-#: step's time by phase, ``generation`` GRPO's engine and vLLM's share, ``reference`` DPO's reference.
+#: step's time by phase, ``generation`` GRPO's engine and vLLM's share, ``reference`` DPO's reference;
+#: ``layout`` why the plan took hybrid sharding or TP x FSDP2 (search/explain_parallel.py).
 NoteKind = Literal["no_fit", "gpu_only", "what_would_fit", "nothing_would_fit", "tight", "quality", "micro_batch",
                    "host_ram", "flash_attn", "duration", "speed_model", "estimate", "text", "lower_tier_faster",
                    "offload", "host_ram_source", "objective_speed", "generation", "reference",
-                   "higher_tier_slower"]
+                   "higher_tier_slower", "layout"]
 
 #: What a why-not line says: ``too_big`` a family of a higher tier does not fit; ``needs_offload``
 #: it fits only with CPU/NVMe offload (or, on one GPU, a distributed engine) while a resident plan

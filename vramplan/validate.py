@@ -38,7 +38,7 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
          "selective_checkpointing",
          "moe", "loss", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
-         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map", "tp",
+         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map", "tp", "cp",
          "device_overheads",
          "measured", "dpo", "orpo", "kto", "grpo", "eval")
 
@@ -294,6 +294,10 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             from .run.tp_fsdp2 import tp_fsdp2_rows  # beside FSDP2 sharding (tp x dp_shard) on 4 gloo ranks
 
             rows += tp_fsdp2_rows(quick)
+    if "cp" in wanted:  # context parallelism: accelerate's FSDP2 + torch's ring attention on N gloo ranks
+        from .run.cp_truth import cp_rows
+
+        rows += cp_rows(quick)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "

@@ -58,6 +58,8 @@ def describe(setup: Setup) -> str:
         parts.append(f"{setup.gpus} GPUs")
     if setup.tp > 1:  # transformers' tp_plan: every layer sharded over the GPUs
         parts.append(f"tensor parallel (tp {setup.tp})")
+    if setup.cp > 1:  # torch's ring attention: the sequence sharded over the GPUs
+        parts.append(f"context parallel (cp {setup.cp})")
     if setup.device_map != "none":  # one process, the layers over the GPUs
         from .max_memory import caps_text
 

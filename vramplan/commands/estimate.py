@@ -31,6 +31,7 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
     shows the raw model. MODEL may be a training config (axolotl, LLaMA-Factory, TRL, torchtune,
     HF TrainingArguments, accelerate, DeepSpeed: docs/formats/); setup flags given override it."""
     from ..estimator import estimate as run_estimate
+    from ..estimator.corrections import uncalibrated_reason
     from ..inputs import resolve_gpu
     from ..profiles import load_model
 
@@ -43,14 +44,18 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
     bd = run_estimate(load_model(model), setup, gpu, corrections)  # checks the setup against the model and GPU
     for note in bd.notes:  # the analytic tier's notes are the check's warnings
         warn(note)
-    print_json(bd.to_json()) if as_json else print_breakdown(bd)
+    if as_json:
+        print_json(bd.to_json())
+    else:
+        print_breakdown(bd, uncalibrated_reason(gpu, calibration_file, not no_calibration))
 
 
 _SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 
 
-def print_breakdown(bd) -> None:
-    """The human-readable report of one Breakdown: components, peak phase, headline numbers, fit."""
+def print_breakdown(bd, uncalibrated: str = "") -> None:
+    """The human-readable report of one Breakdown: components, peak phase, headline numbers, fit
+    (``uncalibrated``: why no calibration applies, for the calibration line)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -101,7 +106,7 @@ def print_breakdown(bd) -> None:
                           gib(r.peak_reserved_bytes), gib(r.device_total_bytes), r.phase)
         console.print("per GPU (GiB; the headline numbers are the fullest GPU's):")
         console.print(ranks)
-    console.print(f"[dim]{calibration_line(bd)}[/]")
+    console.print(f"[dim]{escape(calibration_line(bd, uncalibrated))}[/]")
     for note in bd.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
 
@@ -126,13 +131,14 @@ def band_text(bd, key: str) -> str:
     return f"band {gib(lo)}-{gib(hi)}"
 
 
-def calibration_line(bd) -> str:
-    """One line: which calibration the numbers carry, or that they are the raw model."""
+def calibration_line(bd, why: str = "") -> str:
+    """One line: which calibration the numbers carry, or that they are the raw model (and ``why``,
+    estimator/corrections.py ``uncalibrated_reason``)."""
     c = bd.calibration
     dev = bd.error_band.device_total_bytes if bd.error_band is not None else None
     band = f"; device total band {dev.low:+.0%}/{dev.high:+.0%} ({dev.basis})" if dev is not None else ""
     if c is None:
-        return f"calibration: none (published device terms, the raw model){band}"
+        return f"calibration: none ({why + ': ' if why else ''}published device terms, the raw model){band}"
     where = "" if c.gpu_class_match else ", not fitted on this GPU's class"
     return (f"calibration: {c.group} ({c.source}{where}): fitted {', '.join(c.fitted) or 'nothing'} "
             f"on {c.fitted_on}; quoted {', '.join(c.quoted) or 'nothing'}{band}")

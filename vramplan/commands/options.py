@@ -269,7 +269,7 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "With --device-map: accelerate's max_memory per GPU, e.g. 0=20GiB,1=24GiB  [default: each GPU's "
                 "free memory]", show_default=False),
     SetupOption("tp", "--tp", Count("tp"), "Tensor-parallel degree (transformers tp_plan=auto; --gpus equal to it)."),
-    SetupOption("cp", "--cp", Count("cp"), "Context-parallel degree."),
+    SetupOption("cp", "--cp", Count("cp"), "Context-parallel degree (accelerate cp_size, with FSDP2 on --gpus)."),
     SetupOption("fsdp_version", "--fsdp-version", click.Choice(["1", "2"]),
                 "accelerate fsdp_version: 1 (FlatParameter) or 2 (fully_shard).", callback=_stage),
     SetupOption("dp_replicate", "--dp-replicate", Count("dp_replicate"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from ..specs import SpecError
+from ..specs import Setup, SpecError
 from ..wording import describe
 from .from_config import from_options
 from .options import (
@@ -274,6 +274,20 @@ def _refuse_overwrites(out_file: str | None, html_file: str | None, emit_dir: st
         check_out_dir(emit_dir, force)
 
 
+def _data_ranks(s: Setup) -> str:
+    """How the GPUs share a step: data-parallel ranks, and the ones that split one micro-batch (a layer
+    split's one process, tensor parallelism's shards of every layer, context parallelism's sequence)."""
+    if s.gpus == 1:
+        return ""
+    if s.device_map != "none":
+        return "; one process, the layers split over the GPUs"
+    groups = s.gpus // (s.tp * s.cp)
+    out = f" x {groups} GPUs" if s.tp * s.cp == 1 else (f" x {groups} data-parallel groups" if groups > 1 else "")
+    out += f"; tensor parallelism: {s.tp} GPUs share each micro-batch" if s.tp > 1 else ""
+    out += f"; context parallelism: each sequence split over {s.cp} GPUs" if s.cp > 1 else ""
+    return out
+
+
 def _step_rows(setup, global_batch: int) -> str:
     """What one step trains on: SFT sequences; DPO pairs (chosen + rejected rows); GRPO prompts x
     generations rows of prompt + completion (the rows tokens/s counts, vramplan/cost_objectives.py)."""
@@ -316,13 +330,9 @@ def print_plan(plan) -> None:
         console.print(f"headroom {bd.headroom_bytes / 2**30:.1f} GiB ({share:.0%}) · peak in {bd.phase}"
                       + (f" · host RAM {bd.host_bytes / 2**30:.1f} GiB per GPU" if bd.host_bytes else "")
                       + (f" · NVMe {nvme / 2**30:.1f} GiB per GPU" if (nvme := bd.component("nvme_offload")) else ""))
-        split = plan.setup.device_map != "none"
-        ranks = f" x {plan.setup.gpus} GPUs" if plan.setup.gpus > 1 and not split and plan.setup.tp == 1 else ""
-        ranks += "; one process, the layers split over the GPUs" if split else ""
-        ranks += f"; tensor parallelism: the {plan.setup.tp} GPUs share each micro-batch" if plan.setup.tp > 1 else ""
         console.print(f"speed: ~{plan.tokens_per_s:,.0f} tokens/s · {plan.step_time_s:.2f} s per step of "
                       f"{_step_rows(plan.setup, plan.global_batch)} (micro-batch {plan.setup.batch} x grad accum "
-                      f"{plan.setup.grad_accum}{ranks})")
+                      f"{plan.setup.grad_accum}{_data_ranks(plan.setup)})")
     if plan.alternatives:
         table = Table(title="alternatives (Pareto: memory · speed · quality)", title_justify="left",
                       show_edge=False, pad_edge=False)

@@ -57,6 +57,8 @@ def accelerate_config(plan: Plan) -> dict:
         cfg["mixed_precision"] = MIXED_PRECISION[s.precision]
         if s.dp_replicate > 1:
             _hybrid(plan, cfg)
+        if s.cp > 1:  # context parallelism over FSDP2 (estimator/context_parallel.py)
+            cfg["parallelism_config"] = _cp_config(s)
     else:
         # a layer split (device_map) is one process over every GPU: no data parallelism
         cfg["distributed_type"] = "MULTI_GPU" if s.gpus > 1 and s.device_map == "none" else "NO"
@@ -109,6 +111,19 @@ def _hybrid(plan: Plan, cfg: dict) -> None:
     elif plan.nodes != s.dp_replicate:
         raise SpecError(f"FSDP1 HYBRID_SHARD shards within one node's GPUs: dp_replicate ({s.dp_replicate}) must "
                         f"equal the nodes ({plan.nodes}); use --nodes {s.dp_replicate} or --fsdp-version 2")
+
+
+def _cp_config(s) -> dict:
+    """``--cp`` (estimator/context_parallel.py): accelerate 1.15's ``parallelism_config`` keys
+    (``commands/launch.py``: ``--parallelism_config_cp_size``, ``_cp_backend``, ``_cp_comm_strategy``;
+    ``utils/launch.prepare_extend_env_parallelism_config`` exports them as PARALLELISM_CONFIG_*, from
+    which ``Accelerator`` builds ``ParallelismConfig(cp_size=N)`` and the HF Trainer 5.24 shards each
+    batch under ``maybe_context_parallel``). ``allgather`` is the rotate method modelled (accelerate's
+    default ``cp_comm_strategy``), torch the only backend; dp_shard is what is left (1: FSDP2 shards
+    over the joint dp_shard_cp mesh)."""
+    return {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": s.gpus // s.cp,
+            "parallelism_config_tp_size": 1, "parallelism_config_cp_size": s.cp,
+            "parallelism_config_cp_backend": "torch", "parallelism_config_cp_comm_strategy": "allgather"}
 
 
 def _tp_fsdp2_config(s) -> dict:

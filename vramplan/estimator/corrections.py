@@ -207,3 +207,27 @@ def calibration_for(gpu=None, path=None, enabled: bool = True) -> tuple[Correcti
         warnings.append(f"{exc}; using the published defaults (uncalibrated)")
         found = None
     return found or DEFAULT_CORRECTIONS, warnings
+
+
+def uncalibrated_reason(gpu=None, path=None, enabled: bool = True) -> str:
+    """Why :func:`calibration_for` (same arguments) applied no calibration, in a few words: the
+    flag, no GPU, no readable coefficients file, or no fit for the GPU's class (naming the classes
+    the file fitted: a fit is not carried to another class, :func:`_group_name`)."""
+    if not enabled:
+        return "--no-calibration"
+    if gpu is None:
+        return "no --gpu: coefficients are fitted per GPU class"
+    if path is not None:
+        file = Path(path)
+    else:
+        file = LOCAL_COEFFICIENTS if LOCAL_COEFFICIENTS.is_file() else shipped_coefficients()
+    try:
+        groups = read_coefficients(file).get("groups") or {}
+    except SpecError:
+        return f"no readable coefficients file ({file})"
+    fitted = sorted({k.split("/")[0] for k in groups if k != "pooled"})
+    cc = str(getattr(gpu, "compute_capability", None) or "").replace(".", "")
+    fits = f"{file} fits {', '.join(fitted) or 'no class'}"
+    if not cc:
+        return f"{gpu.display_name} has no GPU class (compute capability) to pick a fit by; {fits}"
+    return f"no fit for {gpu.display_name}'s class sm{cc}; {fits}, and a fit is not carried to another class"

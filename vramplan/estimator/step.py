@@ -19,6 +19,7 @@ from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..units import PRECISION_WEIGHT_DTYPE
 from . import act_offload, eval_step, knobs, objectives, selective, tensor_parallel, transients, vllm_share
 from . import activations as act
+from . import context_parallel as cp_rank
 from . import layer_split_memory as split_memory
 from . import optimizers as opt_rules
 from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
@@ -52,10 +53,14 @@ def estimate(
     stack: Stack = DEFAULT_STACK,
     *,
     loss_model: ModelSpec | None = None,
+    attention_floor: int = 0,
 ) -> Breakdown:
     """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU), as the
     libraries of ``stack`` run it (estimator/stack.py: transformers 5 unless told). ``loss_model``:
-    the model whose vocabulary the loss sees, when ``model`` is one rank's shard of it."""
+    the model whose vocabulary the loss sees, when ``model`` is one rank's shard of it; ``attention_floor``:
+    the least a layer's attention backward adds (context parallelism's ring, estimator/context_parallel.py)."""
+    if setup.cp > 1:  # one context-parallel rank: FSDP2 on seq/cp tokens and the ring (estimator/context_parallel.py)
+        return cp_rank.rank_estimate(model, setup, gpu, corrections, stack, estimate)
     if setup.tp > 1:  # one tensor-parallel rank: its shards, the gathered loss (estimator/tensor_parallel.py)
         return tensor_parallel.rank_estimate(model, setup, gpu, corrections, stack, estimate)
     single = _model_states(model, setup)
@@ -64,7 +69,7 @@ def estimate(
     cast = _autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)
     pset = setup if setup.objective == "sft" else objectives.policy_setup(setup, stack)  # DPO/GRPO rows
-    acts = _activations(model, pset, stack, setup, loss_model or model)
+    acts = _activations(model, pset, stack, setup, loss_model or model, attention_floor)
     phase_peaks, recompute = _phase_peaks(model, pset, states, cast, acts, stack)
     split = None
     if setup.device_map != "none":  # a layer split: the fullest GPU's terms (estimator/layer_split_memory.py)
@@ -235,7 +240,8 @@ class StepActivationTerms:
 
 
 def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
-                 user: Setup | None = None, loss_model: ModelSpec | None = None) -> StepActivationTerms:
+                 user: Setup | None = None, loss_model: ModelSpec | None = None,
+                 attention_floor: int = 0) -> StepActivationTerms:
     """Per layer (token-sized, plus weight-sized for peft's merged MoE experts), outside the layers,
     the loss, and the dequantization transients. ``user``: the Setup of a DPO/GRPO run whose policy
     step ``setup`` is (its loss is TRL's fused head: estimator/objectives.py)."""
@@ -258,7 +264,7 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
     logits_fwd, logits_bwd = transients.loss_transients(loss_model or model, aset, stack)
     if user is not None and (user.objective != "sft" or user.loss == "trl"):  # TRL's fused head (objectives.py)
         logits_fwd, logits_bwd, A_glob = objectives.loss_transients(model, user, stack)
-    T_attn = transients.attention_backward_transient_per_token(model, aset) * N
+    T_attn = max(transients.attention_backward_transient_per_token(model, aset) * N, attention_floor)
     T_deq = dequantization_transient_bytes(model, setup)
     # a GPTQ forward dequantizes each Linear in turn (the largest counts); its backward reuses the
     # saved copy, so only a recomputed (checkpointed) layer dequantizes again

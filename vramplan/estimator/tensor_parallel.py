@@ -27,10 +27,15 @@ as ``loss_model``). The all-reduces' outputs replace tensors the single-GPU step
 the real DTensor step on N gloo ranks (vramplan/run/tp_truth.py, ``validate --knob tp``).
 
 LoRA (peft 0.21 ``tuners/lora/model.add_lora_tp_hooks_dtensor``): a colwise Linear's ``lora_B`` is
-sharded (``Shard(0)``), its ``lora_A`` replicated: the adapters of :func:`rank_model`'s Linears. A
-rowwise Linear's adapter does not run: peft's ``_get_in_out_features`` reads the local weight, so
-``lora_A.in_features`` is the shard's width, and transformers' ``RowwiseParallel`` builds the input
-DTensor with that as the global width (``RuntimeError: shape '[64, 16]' is invalid``): refused.
+a DTensor ``Shard(0)`` over the tp mesh (``out / tp`` local rows), its ``lora_A`` a plain replicated
+tensor: the adapters of :func:`rank_model`'s Linears; their gradients, AdamW states and one step
+match an unsharded LoRA step of the same checkpoint (relative error 1e-6 on the gradients, 2e-5 on
+the stepped values, fp32, 2 gloo ranks: vramplan/run/tp_lora.py, tests/test_tp_lora.py). A
+rowwise Linear's adapter does not run: peft's ``tuners_utils._get_in_out_features`` reads the local
+weight, so ``lora_A.in_features`` is the shard's width (``in / tp``), and transformers'
+``RowwiseParallel.transform_inputs_pre_forward`` builds the input DTensor with that as the global
+width (``RuntimeError: shape '[64, 16]' is invalid for input of size 2048`` in ``tp_forward`` on the
+tiny Llama, pinned by tests/test_tp_lora.py): refused.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import math
 
 from ..specs import Breakdown, Component, GpuSpec, ModelSpec, RankPeak, Setup, SpecError
 from .tp_fsdp2 import (
+    accumulated_grad_bytes,
     check_tp_fsdp2,
     combined,
     combined_note,
@@ -96,9 +102,10 @@ def check_tp(model: ModelSpec, setup: Setup) -> None:
         rowwise = sorted({l.name for l in lora_targets(model, setup)[0] if l.name in ROWWISE or l.role == "head"})
         if rowwise:
             raise SpecError(f"--tp with LoRA on {', '.join(rowwise)} (row-parallel, or the gathered head) fails in "
-                            "peft 0.21 (lora_A gets the shard's in_features, transformers 5.24's RowwiseParallel "
-                            "reads it as the global width); target the column-parallel ones: "
-                            f"--lora-targets {','.join(COLWISE)}")
+                            "peft 0.21: tuners_utils._get_in_out_features builds lora_A with the shard's in_features "
+                            "(in/tp), which transformers 5.24's RowwiseParallel.transform_inputs_pre_forward takes as "
+                            "the input's global width (RuntimeError: shape ... is invalid, in the first forward); "
+                            f"target the column-parallel ones: --lora-targets {','.join(COLWISE)}")
 
 
 def _rank_linear(linear, tp: int, rank: int):
@@ -185,7 +192,9 @@ def _rank_breakdown(model: ModelSpec, setup: Setup, rank_index: int, gpu: GpuSpe
     numel = sum(math.prod(shape) * count for shape, count in trainable_tensors(rank, one))
     largest = step * max(optimizer_groups(rank, one)) // max(numel, 1)
     peaks = {**b.phase_peaks_bytes, "optimizer": b.phase_peaks_bytes["optimizer"] - (step - largest)}
-    peaks = with_tied_head_copy(model, setup, peaks)  # beside FSDP2: a tied head's gathered copy (tp_fsdp2.py)
+    grads = next((c.bytes for c in b.components if c.name == "gradients"), 0)
+    held = accumulated_grad_bytes(model, setup, grads)  # beside FSDP2 with accumulation: the gradient shards
+    peaks = with_tied_head_copy(model, setup, peaks, held)  # beside FSDP2: a tied head's gathered copy (tp_fsdp2.py)
     phase = max(peaks, key=lambda p: peaks[p])
     allocated, reserved, total, overheads = device_overheads(peaks[phase], setup.gpus, gpu, corrections)
     devices = {name: (n, note) for name, n, note in overheads}
@@ -201,6 +210,10 @@ def _rank_breakdown(model: ModelSpec, setup: Setup, rank_index: int, gpu: GpuSpe
     comps = [dataclasses.replace(c, bytes=largest, note="foreach step transient (largest parameter group)")
              if c.name == "optimizer_step" else dataclasses.replace(c, note=shard_note) if c.name == "weights" else c
              for c in comps]
+    if held:  # the gradient shards live through the next micro-batches (tp_fsdp2.accumulated_grad_bytes)
+        comps = [dataclasses.replace(c, phases=("forward", "backward", "optimizer"), note="sharded, held across "
+                                     "micro-batches (every micro-batch reduce-scatters)")
+                 if c.name in ("gradients", "tied_head_grad") else c for c in comps]
     notes = (f"--tp {setup.tp}: per GPU, transformers' tp_plan shards q/k/v/gate/up by columns, o/down by rows, "
              "the embedding and head by vocabulary; norms are replicated and the loss sees all N x V logits",) + b.notes
     return dataclasses.replace(

@@ -22,17 +22,23 @@ parameter a DTensor. Read off the real ``T x D`` gloo run (vramplan/run/tp_fsdp2
 
 What does not run is refused here, each with why:
 
-- LoRA: peft 0.21 wraps the Linears after the load, when ``fully_shard`` has already sharded them,
-  and reads the FSDP shard's local weight as the Linear's width (``_get_in_out_features``): ``lora_B``
-  gets ``out / (T*D)`` rows where the TP forward expects ``out / T`` (``RuntimeError: shape '[1, 64,
-  32]' is invalid for input of size 1024`` on the tiny model; transformers 5.24's fsdp.py marks PEFT
-  under its FSDP "TODO").
+- LoRA: peft 0.21 wraps the Linears after the load, when ``fully_shard`` has already sharded them.
+  ``tuners_utils._get_in_out_features`` takes the full width only for a mesh named ``fsdp`` alone;
+  on the ``(fsdp, tp)`` DTensor it reads the local tensor, FSDP's chunk of the TP shard, so
+  ``lora_B`` is built with ``out / (T*D)`` rows and ``add_lora_tp_hooks_dtensor`` wraps it as a
+  ``Shard(0)`` DTensor over the tp mesh of global ``out`` (``out / T`` rows per rank expected): the
+  first forward fails in transformers' ``tp_forward`` (``RuntimeError: shape '[1, 64, 32]' is
+  invalid for input of size 1024`` on the tiny Llama; run on 4 gloo ranks and pinned by
+  tests/test_tp_lora.py; transformers 5.24's fsdp.py marks PEFT under its FSDP "TODO").
 - accelerate's own FSDP2 preparation of a TP model (``distributed_type: FSDP``): accelerate 1.15's
   ``Accelerator._prepare_tp`` imports ``ReplicateParallel`` from
   ``transformers.integrations.tensor_parallel``, which transformers 5.24 no longer has
   (``ImportError``); the plan emits the multi-GPU accelerate config with the parallelism fields.
 - ``--fsdp-version 1``, hybrid sharding (``dp_replicate``), one data-parallel rank (``gpus == tp``
   is ``--tp`` alone), and a ``gpus`` that ``tp`` does not divide.
+
+Gradient accumulation runs, but not as FSDP2's: every micro-batch reduce-scatters, and the gradient
+shards are what is held between micro-batches (:func:`accumulated_grad_bytes`).
 """
 
 from __future__ import annotations
@@ -68,21 +74,33 @@ def check_tp_fsdp2(model: ModelSpec, setup: Setup) -> None:
     elif getattr(setup, "dp_replicate", 1) > 1:
         why = "--tp with hybrid sharding (dp_replicate, a 3-D mesh) is not modelled yet"
     elif setup.adapters:
-        why = ("--tp with FSDP2 and LoRA fails in peft 0.21: transformers 5.24 shards the Linears at load, and peft "
-               "reads the FSDP shard's width (lora_B gets out/(tp*dp_shard) rows, the TP forward wants out/tp); "
+        why = ("--tp with FSDP2 and LoRA fails in peft 0.21: transformers 5.24 fully_shards the Linears at load, "
+               "peft's _get_in_out_features then reads the (fsdp, tp) shard's width, so lora_B gets out/(tp*dp_shard) "
+               "rows where the TP forward wants out/tp (RuntimeError: shape ... is invalid, in the first forward); "
                "use --fsdp none with --gpus equal to --tp, or full fine-tuning")
-    elif setup.grad_accum > 1:
-        why = ("--tp with FSDP2 and gradient accumulation is not modelled yet: under the multi-GPU accelerate state "
-               "accelerate 1.15's no_sync finds no DDP no_sync on transformers' FSDP2 model, so every micro-batch "
-               "reduce-scatters (estimator/fsdp2.py models the unsynced accumulation); use --grad-accum 1")
     if why:
         raise SpecError(why)
 
 
 def rank_setup(setup: Setup) -> Setup:
     """The setup one rank runs: FSDP2 over its dp_shard group, no tensor parallelism beside it
-    (the model is :func:`tensor_parallel.rank_model`'s)."""
-    return setup.replace(tp=1, gpus=dp_shard(setup))
+    (the model is :func:`tensor_parallel.rank_model`'s), one micro-batch: accumulation holds the
+    gradient shards instead (:func:`accumulated_grad_bytes`)."""
+    return setup.replace(tp=1, gpus=dp_shard(setup), grad_accum=1)
+
+
+def accumulated_grad_bytes(model: ModelSpec, setup: Setup, grad_shard_bytes: int) -> int:
+    """What gradient accumulation adds to a micro-batch's forward and backward (0 without it):
+    the gradient shards of the micro-batches before, ``grad_shard_bytes``, and a tied embedding's
+    second gradient (:func:`tied_head_grad_bytes`). accelerate 1.15's ``Accelerator.no_sync`` is a
+    ``nullcontext`` for transformers' FSDP2 model under the multi-GPU state (not ``is_fsdp2``, and
+    an ``FSDPModule`` has no DDP ``no_sync``), so every micro-batch reduce-scatters into the
+    sharded ``.grad``: no unsharded accumulation (FSDP2's ``set_requires_gradient_sync(False)``
+    path, estimator/fsdp2.py ``accum_grads``). Read off the 4-rank run: +69 952 bytes, exactly
+    these, on the forward and the backward peaks of the tiny Llama-3.2 at ``--grad-accum 2``."""
+    if not combined(setup) or setup.grad_accum <= 1:
+        return 0
+    return grad_shard_bytes + tied_head_grad_bytes(model, setup)
 
 
 def tied_head_copy_bytes(model: ModelSpec, setup: Setup) -> int:
@@ -112,13 +130,14 @@ def tied_head_grad_bytes(model: ModelSpec, setup: Setup) -> int:
     return -(-rows // dp_shard(setup)) * copy // rows if copy else 0
 
 
-def with_tied_head_copy(model: ModelSpec, setup: Setup, peaks: dict[str, int]) -> dict[str, int]:
+def with_tied_head_copy(model: ModelSpec, setup: Setup, peaks: dict[str, int], held: int = 0) -> dict[str, int]:
     """``peaks`` with :func:`tied_head_copy_bytes` at the loss and at the backward's start (the
     head's backward frees it; a backward peak inside the layers would not hold it, so there it
-    overcounts by that copy: the truth's backward peaks are all at the start), and the tied
-    shard's second gradient (:func:`tied_head_grad_bytes`) at the optimizer step."""
+    overcounts by that copy: the truth's backward peaks are all at the start), the tied shard's
+    second gradient (:func:`tied_head_grad_bytes`) at the optimizer step, and ``held`` (the
+    accumulated gradients, :func:`accumulated_grad_bytes`) in the forward and the backward."""
     copy, grad = tied_head_copy_bytes(model, setup), tied_head_grad_bytes(model, setup)
-    extra = {"forward": copy, "backward": copy, "optimizer": grad}
+    extra = {"forward": copy + held, "backward": copy + held, "optimizer": grad}
     return {p: b + extra.get(p, 0) for p, b in peaks.items()}
 
 

@@ -187,3 +187,7 @@ def _parallelism(pc: Fields | None, m: Mapped) -> None:
         value = pc.int(f"parallelism_config_{theirs}", None) or pc.int(theirs, None)
         if value is not None and value > 1:
             m.setup[mine] = value
+    strategy = pc.str("parallelism_config_cp_comm_strategy", None) or pc.str("cp_comm_strategy", None)
+    if m.setup.get("cp", 1) > 1 and strategy not in (None, "allgather"):  # estimator/context_parallel.py
+        m.ignore("parallelism_config_cp_comm_strategy", strategy, "the estimate models torch's allgather rotate "
+                 "method (every rank's K/V gathered at once); alltoall passes one block at a time and holds less")

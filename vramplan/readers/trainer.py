@@ -334,9 +334,12 @@ def layer_split(f: Fields, m: Mapped) -> None:
     kwargs to ``create_model_from_path`` -> ``from_pretrained``, trl/trainer/utils.py, unless the
     run is distributed: MULTI_GPU/DEEPSPEED set ``device_map=None``, and from_pretrained then
     ignores ``max_memory``). The caps give the GPU count; ``cpu``/``disk`` budgets are refused
-    (vramplan/max_memory.py). A ``device_map`` without caps is not read."""
+    (vramplan/max_memory.py). A ``device_map`` without caps: :func:`_device_map_alone`."""
     kwargs = _dict_field(f, "model_init_kwargs")
-    if kwargs is None or not kwargs.has("max_memory"):
+    if kwargs is None:
+        return
+    if not kwargs.has("max_memory"):
+        _device_map_alone(kwargs, m)
         return
     caps, where = kwargs.raw("max_memory"), "model_init_kwargs.max_memory"
     strategy = kwargs.raw("device_map")
@@ -361,3 +364,24 @@ def layer_split(f: Fields, m: Mapped) -> None:
         return
     m.setup.update(device_map=strategy, max_memory=parsed)
     m.gpus = len(parsed)
+
+
+def _device_map_alone(kwargs: Fields, m: Mapped) -> None:
+    """``model_init_kwargs.device_map`` auto/balanced/sequential without ``max_memory``: the even
+    layer split over the GPUs the one process sees (``--device-map``; TRL 1.16 passes it on to
+    ``from_pretrained``, sft_trainer.py, unless MULTI_GPU/DEEPSPEED set ``device_map=None``). The
+    config does not name that GPU count: 2 is assumed, and said (``--gpus N`` overrides it). Any
+    other placement (one device, a dict) is said not read."""
+    if not kwargs.has("device_map"):
+        return
+    strategy, where = kwargs.raw("device_map"), "model_init_kwargs.device_map"
+    if m.gpus not in (None, 1):
+        m.ignore(where, strategy, f"{m.gpus} processes: TRL loads with device_map=None when distributed")
+        return
+    if strategy not in ("auto", "balanced", "sequential"):
+        m.ignore(where, strategy, "not a layer split (auto, balanced or sequential): one GPU assumed")
+        return
+    m.setup.update(device_map=strategy)
+    m.gpus = 2
+    m.assume(where, strategy, "the layers split over the GPUs the process sees, which the config does not "
+             "name: 2 GPUs assumed (pass --gpus N)")

@@ -1,11 +1,12 @@
 """The truth for context parallelism (``--cp N``): N gloo processes on this machine running accelerate
-1.15's FSDP2 + context parallelism and torch 2.13's own ring attention, per rank.
+1.15's FSDP2 + context parallelism and torch 2.13's own ring attention, per rank; :func:`cp_rows`
+compares it with estimator/context_parallel.py (``vramplan validate --knob cp``).
 
     runs = run_cp(tiny_config(), [Setup(cp=2, gpus=2, fsdp="full_shard", fsdp_version=2)], world=2)
     runs[0].ranks[1].device_bytes            # rank 1's peak of "GPU" tensor bytes
 
 What runs (each rank a subprocess, ``python -m vramplan.run.cp_truth JOB``, as the FSDP2 truth's):
-an Accelerator with ``ParallelismConfig(dp_shard_size=1, cp_size=N)`` (set on its state once the
+an Accelerator with ``ParallelismConfig(dp_shard_size=world / cp, cp_size=cp)`` (set on its state once the
 state is FSDP, as the FSDP2 truth sets the plugin: accelerate only turns FSDP on for accelerators)
 prepares the model as :mod:`vramplan.run.fsdp2` does (accelerate ``_prepare_cp``: ``set_rotate_method("allgather")``,
 the hooks that drop the attention mask for ``is_causal``; then ``fsdp2_prepare_model`` sharding over
@@ -30,9 +31,11 @@ flash's autograd node saves them. :func:`probe` runs the same ring with the real
 and checks it against unsharded SDPA. Counting: :class:`CpCounter`, the FSDP2 truth's counter that
 also sees through the functional collectives' wrapper and drains every group's gloo worker.
 
-Not verified here, so not modelled (setup_checks.NOT_MODELLED["cp"]): whether CUDA's SDPA dispatch
-hands the ring K/V at their own head count (transformers passes ``enable_gqa`` without a mask), and
-the ring buffers' lifetimes under NCCL (the caching allocator frees a collective's buffers when its
+The estimate (estimator/context_parallel.py) is checked against it by :func:`cp_rows`
+(``vramplan validate --knob cp``). K/V at their own head count is what CUDA does: torch's CUDA SDPA
+dispatch (aten attention.cpp) hands flash and cuDNN the unrepeated K/V when transformers passes
+``enable_gqa`` (no mask under CP), so the stand-in takes them as flash does. Not verified here: the
+ring buffers' lifetimes under NCCL (the caching allocator frees a collective's buffers when its
 stream is done, not when gloo's worker lets go of them).
 """
 
@@ -64,11 +67,12 @@ class CpRun:
 
 
 def run_cp(config: dict, setups: list[Setup], world: int, seq: int = TINY_SEQ, timeout_s: float = 600) -> list[CpRun]:
-    """Run each setup (``cp == gpus == world``, FSDP2) on ``world`` processes, in one launch."""
+    """Run each setup (``gpus == world``, ``cp`` dividing it: FSDP2 dp_shard = world / cp) on ``world``
+    processes, in one launch."""
     for s in setups:
-        if s.cp != world or s.gpus != world or s.fsdp_version != 2:
-            raise SpecError(f"run_cp runs cp={world} FSDP2 setups on {world} ranks; got cp={s.cp} gpus={s.gpus} "
-                            f"fsdp_version={s.fsdp_version}")
+        if s.cp < 2 or world % s.cp or s.gpus != world or s.fsdp_version != 2:
+            raise SpecError(f"run_cp runs FSDP2 setups with a cp dividing {world} on {world} ranks; got cp={s.cp} "
+                            f"gpus={s.gpus} fsdp_version={s.fsdp_version}")
     got = launch_ranks("vramplan.run.cp_truth", {"config": config, "setups": [s.to_dict() for s in setups],
                                                  "seq": seq}, world, timeout_s, {"ACCELERATE_USE_CPU": "true"}, "CP")
     return [CpRun(s, tuple(RankPeak(**got[r][i]["peak"]) for r in range(world)), tuple(got[0][i]["ring_seqs"]))
@@ -175,7 +179,7 @@ def _prepare(setup: Setup, world: int, model, opt):
     acc, plugin = cpu_fsdp_accelerator(setup)
     # what Accelerator(parallelism_config=...) does once the state is FSDP (accelerate only turns
     # FSDP on for accelerators, so the config is set after the state, as the FSDP2 truth sets it)
-    config = ParallelismConfig(dp_shard_size=1, cp_size=world)
+    config = ParallelismConfig(dp_shard_size=world // setup.cp, cp_size=setup.cp)
     acc.state.parallelism_config = config
     acc.state.device_mesh = config.get_device_mesh("cpu")
     if acc.mixed_precision != "no":
@@ -311,6 +315,70 @@ def probe(world: int = 2, seq: int = 32, timeout_s: float = 300) -> list[dict]:
     ``gather_counted`` / ``gather_bytes`` (what :class:`CpCounter` counts for one functional
     all-gather, and that buffer's size)."""
     return launch_ranks("vramplan.run.cp_truth", {"probe": True, "seq": seq}, world, timeout_s, {}, "CP probe")
+
+
+# ----------------------------------------------------------------------------------------------
+# estimate versus truth (vramplan validate --knob cp)
+
+#: The verified CP matrix on the tiny Llama (cp 2 at seq 128, cp 4 at seq 256: 64 tokens per rank):
+#: full and LoRA, with and without checkpointing, micro-batch 1 and 2; then the other knobs on 2 ranks,
+#: and cp 2 beside FSDP2's dp_shard 2 on 4 ranks.
+CP_CORE = tuple({"method": m, "checkpointing": ck, "batch": b}
+                for b in (1, 2) for ck in (False, True) for m in ("full", "lora"))
+CP_MORE = ({"fsdp": "shard_grad_op"}, {"fsdp": "shard_grad_op", "method": "lora"}, {"precision": "bf16-mixed"},
+           {"precision": "bf16-mixed", "method": "lora", "checkpointing": True}, {"grad_accum": 2},
+           {"method": "lora", "grad_accum": 2}, {"optimizer": "sgd"},
+           {"precision": "fp16-mixed", "checkpointing": True, "batch": 2})
+#: What the other shapes (untied head: Llama-3.1; q/k/v biases: Qwen2.5) run on 2 ranks.
+CP_SHAPES = (CP_CORE[0], CP_CORE[7])
+
+#: Refused (estimator/context_parallel.py check_cp), with why.
+CP_UNVERIFIED = (
+    ({"method": "qlora"}, "a bitsandbytes 4-bit base under CP is not run by the truth: refused"),
+    ({"precision": "fp32"}, "fp32: CUDA flash takes 16-bit inputs only; the ring over memory-efficient attention "
+     "is not modelled: refused"),
+)
+
+
+def cp_launches(quick: bool) -> list[tuple[str, int, int, int, tuple]]:
+    """(base model, world size, cp, sequence length, setups) of each launch of the validate matrix
+    (world / cp is FSDP2's dp_shard beside CP)."""
+    from .tiny import OTHER_BASES, TINY_BASE
+
+    if quick:
+        return [(TINY_BASE, 2, 2, 128, CP_CORE[:2])]
+    return ([(TINY_BASE, 2, 2, 128, CP_CORE + CP_MORE), (TINY_BASE, 4, 4, 256, CP_CORE),
+             (TINY_BASE, 4, 2, 128, CP_CORE[::3])] + [(b, 2, 2, 128, CP_SHAPES) for b in OTHER_BASES])
+
+
+def cp_rows(quick: bool) -> list:
+    """Rows for ``vramplan validate --knob cp``: per (setup, cp) the fullest rank's device peak against
+    the estimate (``truth="cp-N"``), then what is refused, with why. A launch that fails gives its
+    setups' failed rows (run/ranks.py)."""
+    from ..accuracy import Row
+    from ..estimator import estimate
+    from .ranks import failed_launch_rows
+    from .tiny import TINY_BASE, tiny_config, tiny_model
+
+    rows = []
+    for base, world, cp, seq, kws in cp_launches(quick):
+        model = tiny_model(base=base)
+        setups = [Setup(**{"fsdp": "full_shard", **kw}, fsdp_version=2, cp=cp, gpus=world, seq=seq) for kw in kws]
+        try:
+            runs = run_cp(tiny_config(base), setups, world, seq)
+        except RuntimeError as exc:  # a launch that crashed or timed out: its rows say so, the rest stand
+            rows += failed_launch_rows(setups, world, base, model.family, exc, lambda s: ("cp", "cp"))
+            continue
+        for run in runs:
+            est, worst = estimate(model, run.setup), run.worst
+            rows.append(Row(f"{base}[tiny]", model.family, run.setup, worst.device_bytes, est.tensor_peak_bytes,
+                            worst.phase, est.phase, truth=f"cp-{world}", knob="cp"))  # (world = gpus; cp in setup)
+    model = tiny_model()
+    for kw, why in CP_UNVERIFIED:
+        setup = Setup(**{"fsdp": "full_shard", "fsdp_version": 2, "cp": 2, "gpus": 2, "seq": 128, **kw})
+        rows.append(Row(f"{TINY_BASE}[tiny]", model.family, setup, 0, 0, "", "", truth="cp-2", knob="cp",
+                        verified=False, why=why))
+    return rows
 
 
 def _main(job_path: str) -> None:

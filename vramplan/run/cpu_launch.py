@@ -1,5 +1,5 @@
-"""The emitted multi-GPU accelerate configs (FSDP1, FSDP2, tensor parallelism) and their train.py,
-launched by ``accelerate launch`` on CPU gloo ranks.
+"""The emitted multi-GPU accelerate configs (FSDP1, FSDP2, tensor and context parallelism) and their
+train.py, launched by ``accelerate launch`` on CPU gloo ranks.
 
     accelerate launch --config_file accelerate_config.yaml --main_process_port PORT \\
         -m vramplan.run.cpu_launch train.py --cpu --max-steps 2 --no-save
@@ -48,6 +48,10 @@ Stand-ins, each what the accelerator branch does in its place, nothing else chan
 5. Tensor parallelism: ``ParallelismConfig._validate_accelerator`` counts MULTI_CPU as the
    multi-device state it accepts; ``Accelerator.prepare_model`` then takes its tensor-parallel
    branch (no DDP wrapper), as on GPUs.
+6. Context parallelism: inside ``Accelerator.maybe_context_parallel`` (torch's ``context_parallel``,
+   entered by the Trainer per batch), ``F.scaled_dot_product_attention`` is torch 2.13's own ring on
+   the cp group with the stand-in per-block kernel of :func:`vramplan.run.cp_truth.ring_sdpa`: torch's
+   CP dispatcher takes CUDA's flash/efficient/cuDNN SDPA only, not CPU's.
 """
 
 from __future__ import annotations
@@ -168,6 +172,33 @@ def _tp_on_cpu() -> None:
     ParallelismConfig._validate_accelerator = validate
 
 
+#: the local sequence length of each ring attention call of this rank (stand-in 6), for the report
+RING_SEQS: list[int] = []
+
+
+def _cp_on_cpu() -> None:
+    """Stand-in 6: the ring attention of the CP truth inside ``Accelerator.maybe_context_parallel``."""
+    import contextlib
+
+    from accelerate import Accelerator
+
+    from .cp_truth import ring_sdpa
+
+    original = Accelerator.maybe_context_parallel
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, *args, **kwargs):
+        with original(self, *args, **kwargs):
+            pc = self.parallelism_config
+            if pc is None or not pc.cp_enabled:
+                yield
+                return
+            with ring_sdpa(self.torch_device_mesh["cp"].get_group(), seen=RING_SEQS):
+                yield
+
+    Accelerator.maybe_context_parallel = maybe_context_parallel
+
+
 def _report_after_training() -> None:
     """Wrap ``Trainer.train``: once it returns, write what trained the model (:data:`REPORT`)."""
     import transformers
@@ -217,6 +248,7 @@ def sharding_report(trainer) -> dict:
         "dtensor_params": sum(isinstance(p, DTensor) for p in wrapped.parameters()),
         "parallelism": None if pc is None else {k: getattr(pc, f"{k}_size") for k in ("dp_replicate", "dp_shard", "tp",
                                                                                      "cp")},
+        "ring_seqs": RING_SEQS[:8],  # context parallelism: the sequence each ring attention call ran on
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FSDP_", "ACCELERATE_"))},
     }
     if plugin is not None:
@@ -233,11 +265,12 @@ def sharding_report(trainer) -> dict:
 
 
 def install_stand_ins() -> None:
-    """Stand-ins 1-5 (the module docstring), in this process."""
+    """Stand-ins 1-6 (the module docstring), in this process."""
     _fsdp_state_on_cpu()
     _fsdp1_on_cpu()
     _offload_on_cpu()
     _tp_on_cpu()
+    _cp_on_cpu()
 
 
 def main(argv: list[str]) -> None:

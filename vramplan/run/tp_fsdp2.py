@@ -175,15 +175,18 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str) -> dict:
 # estimate versus truth
 
 
-#: The verified TP x FSDP2 matrix (tp 2 x dp_shard 2): full fine-tuning, with checkpointing, batch 2.
-TP_FSDP2_MATRIX = ({}, {"checkpointing": True}, {"batch": 2})
+#: The verified TP x FSDP2 matrix (tp 2 x dp_shard 2): full fine-tuning, with checkpointing, batch 2,
+#: gradient accumulation (every micro-batch reduce-scatters: estimator/tp_fsdp2.py accumulated_grad_bytes).
+TP_FSDP2_MATRIX = ({}, {"checkpointing": True}, {"batch": 2}, {"grad_accum": 2})
 #: An untied head (Llama-3.1: lm_head its own FSDP tail group with the norm) and Qwen3's q/k norms.
 TP_FSDP2_BASES = ("meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B")
 #: What is refused, and why (estimator/tp_fsdp2.py check_tp_fsdp2).
 TP_FSDP2_UNVERIFIED = (
     ({"method": "lora", "lora_targets": "q_proj,k_proj,v_proj,gate_proj,up_proj"},
-     "peft 0.21 wraps the Linears after transformers 5.24's load-time fully_shard and reads the FSDP shard's "
-     "width: the run fails (RuntimeError: shape '[1, 64, 32]' is invalid for input of size 1024): refused"),
+     "peft 0.21 wraps the Linears after transformers 5.24's load-time fully_shard; its _get_in_out_features "
+     "reads the (fsdp, tp) shard's width, lora_B gets out/(tp*dp_shard) rows on a tp-mesh DTensor of global out: "
+     "the first forward fails (RuntimeError: shape '[1, 64, 32]' is invalid for input of size 1024, in "
+     "transformers' tp_forward; tests/test_tp_lora.py): refused"),
     ({"fsdp": "shard_grad_op"},
      "transformers 5.24 shards with its base_model_fsdp_plan (every layer reshard_after_forward=True); "
      "shard_grad_op has no DistributedConfig field: refused"),

@@ -256,6 +256,13 @@ TP_MATRIX = (
     {}, {"checkpointing": True}, {"method": "lora", "lora_targets": COLWISE_TARGETS},
     {"method": "lora", "lora_targets": COLWISE_TARGETS, "checkpointing": True}, {"grad_accum": 2}, {"batch": 2},
 )
+#: What is refused, and why (estimator/tensor_parallel.py check_tp; run and pinned by tests/test_tp_lora.py).
+TP_UNVERIFIED = (
+    ({"method": "lora"},
+     "LoRA on o_proj/down_proj (all-linear): peft 0.21's _get_in_out_features builds lora_A with the shard's "
+     "in_features, which transformers 5.24's RowwiseParallel takes as the input's global width: the first forward "
+     "fails (RuntimeError: shape '[64, 16]' is invalid for input of size 2048, in tp_forward): refused"),
+)
 #: An untied head (Llama-3.1's shape: lm_head its own colwise_gather_output Linear) and Qwen3's
 #: per-head q/k norms (replicated_with_grad_allreduce); 4 ranks need 4 KV heads.
 OTHER_BASES = ("meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B")
@@ -306,6 +313,10 @@ def tp_rows(quick: bool) -> list:
             worst = run.worst
             rows.append(Row(f"{base}[tiny]", family, run.setup, worst.device_bytes, est.tensor_peak_bytes,
                             worst.phase, est.phase, truth=f"tp-{world}", knob="tp"))
+    model = tiny_model()
+    for kw, why in TP_UNVERIFIED:
+        rows.append(Row(model.name, model.family, Setup(**kw, tp=2, gpus=2, seq=TINY_SEQ), 0, 0, "", "", truth="tp-2",
+                        knob="tp", verified=False, why=why))
     return rows
 
 

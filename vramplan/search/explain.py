@@ -9,7 +9,9 @@ from __future__ import annotations
 from ..specs import Alternative, GpuSpec, Note, Rejected
 from ..units import GiB, gib
 from .core import Result
+from .explain_cp import cp_notes
 from .explain_objectives import objective_notes
+from .explain_parallel import parallel_notes, parallel_rejections
 from .geometry import DEFAULT_HOST_RAM_PER_GPU, Target
 from .labels import describe, duration, method_name, quality_label, savers_text, size
 from .rank import (
@@ -151,6 +153,7 @@ def rejected(result: Result, chosen: Candidate | None) -> tuple[Rejected, ...]:
         out.append(_rejection(plain.setup, head, reason, misfit, bd.device_total_bytes, kind, usable))
     out += _layer_split_rejections(result, chosen, usable)
     out += _tensor_split_rejections(result, chosen, usable)
+    out += parallel_rejections(result, chosen, misfit_text)  # HSDP, TP x FSDP2 (explain_parallel.py)
     if chosen is None:
         return tuple(out)
     # the chosen family's faster settings: other savers at the chosen micro-batch, the next micro-batch
@@ -360,6 +363,7 @@ def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, 
                           f"({quick.tokens_per_s:,.0f} tokens/s, {savers_text(quick.setup)}); kept "
                           f"{TIERS[tier(chosen.setup)]}, the better quality tier that fits within "
                           f"{TIER_SLOWDOWN_MAX:g}x of its speed", "lower_tier_faster"))
+    notes += parallel_notes(result, chosen, misfit_text) + cp_notes(result, chosen, misfit_text)  # explain_cp.py
     text = f"largest micro-batch that fits this setup: {biggest}"
     if biggest > chosen.setup.batch:
         text += (f" (the global batch allows {chosen.setup.batch})" if batch_fixed

@@ -48,10 +48,14 @@ def savers_text(setup: Setup) -> str:
         parts.append(f"the layers split over {setup.gpus} GPUs")
     if setup.tp > 1:
         parts.append(f"tensor parallelism over {setup.tp} GPUs")
+    if setup.cp > 1:
+        parts.append(f"context parallelism over {setup.cp} GPUs (seq/{setup.cp} each)")
     if setup.zero_stage:
         parts.append(f"ZeRO-{setup.zero_stage}")
-    if setup.fsdp != "none":
-        parts.append(f"FSDP{'2' if setup.fsdp_version == 2 else ''} {setup.fsdp.upper()}")
+    if setup.fsdp != "none":  # hybrid sharding (HSDP): FSDP within groups of gpus / dp_replicate, replicated
+        r = setup.dp_replicate
+        hybrid = f" hybrid ({r} replicas x {setup.gpus // r} GPUs)" if r > 1 else ""
+        parts.append(f"FSDP{'2' if setup.fsdp_version == 2 else ''} {setup.fsdp.upper()}{hybrid}")
     offloaded = [w for w, v in (("optimizer", setup.offload_optimizer), ("params", setup.offload_params))
                  if v != "none"]
     if offloaded:

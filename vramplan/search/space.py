@@ -20,6 +20,8 @@ from ..estimator.selective import check_selective
 from ..setup_checks import check, check_activation_offload, check_fsdp2
 from ..specs import ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
+from .space_cp import cp_splits
+from .space_parallel import hybrid_shards, tp_fsdp2_splits
 
 #: LoRA ranks a ``--lora-rank LO..HI`` range is searched at (with LO and HI themselves).
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
@@ -195,6 +197,8 @@ class Space:
                         if eval_unmodelled(s):  # --eval-batch: only where the eval step is modelled
                             continue
                         out += [c for o in self.offload_choices(s) for c in self.in_backward_choices(o)]
+                        out += hybrid_shards(self, s)  # several nodes: HSDP beside FSDP (space_parallel.py)
+        out += tp_fsdp2_splits(self, family) + cp_splits(self, family)  # one node: TP x FSDP2, CP (space_cp.py)
         return out + [s for s in self.layer_splits(family) + self.tensor_splits(family) if not eval_unmodelled(s)]
 
     def offload_choices(self, s: Setup) -> list[Setup]:
@@ -365,7 +369,7 @@ def placement_key(s: Setup) -> tuple:
     """Saver configurations that share a placement are ordered by memory (see :func:`saving`)."""
     # the objective's knobs (DPO's reference, GRPO's generation and vLLM's share) are not savers: each its own placement
     return (s.zero_stage, s.offload_optimizer, s.offload_params, s.fsdp, s.device_map, s.tp, s.precision, s.ref_model,
-            s.generation, s.vllm_memory_fraction)
+            s.generation, s.vllm_memory_fraction, s.dp_replicate, s.fsdp_version, s.cp)
 
 
 def saving(s: Setup) -> tuple[int, ...]:

@@ -527,7 +527,18 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train()
     if not args.no_save:
         trainer.save_model(args.output_dir)
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """Every rank leaves the process group before the interpreter exits (the Trainer does not):
+    torch warns about a group destructed at exit, and gloo's worker threads can abort it there
+    ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
