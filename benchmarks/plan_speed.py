@@ -29,6 +29,8 @@ CASES = [
     ("qwen2-0.5b", "a100-80gb", {"global_batch": 32}, ["--global-batch", "32"]),
     ("llama-3.1-70b", "rtx-4090", {}, []),
     ("llama-3.1-70b", "rtx-3060-12gb", {"host_ram": "64GiB"}, ["--host-ram", "64GiB"]),
+    # nothing fits (the card's default host RAM is too small for the offload): the "what would fit" re-searches
+    ("llama-3.1-70b", "rtx-3060-12gb", {}, []),
     ("qwen3-30b-a3b", "rtx-4090", {"nvme": True}, ["--nvme"]),
     ("mixtral-8x7b", "a100-80gb", {"gpus": 4, "global_batch": 32}, ["--gpus", "4", "--global-batch", "32"]),
     ("llama-3.1-8b", "h100-sxm", {"gpus": 8, "global_batch": 64}, ["--gpus", "8", "--global-batch", "64"]),

@@ -10,6 +10,7 @@ to the flags the user typed). Combinations that need the model or the GPU are ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,7 +237,21 @@ class Setup:
         return self.batch * self.seq
 
     def replace(self, **changes: Any) -> Setup:
-        return dataclasses.replace(self, **changes)
+        """``dataclasses.replace`` (the new Setup is checked by ``__post_init__`` as a built one is),
+        without rebuilding every field through ``__init__``: the plan search makes thousands."""
+        names = _field_names()
+        unknown = changes.keys() - names
+        if unknown:
+            raise TypeError(f"Setup.replace() got an unexpected keyword argument {min(unknown)!r}")
+        new = object.__new__(type(self))
+        state = new.__dict__
+        state.update(self.__dict__)
+        if len(state) != len(names):  # anything but the fields (a cached value) is not carried over
+            for key in [k for k in state if k not in names]:
+                del state[key]
+        state.update(changes)
+        new.__post_init__()
+        return new
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -355,6 +370,17 @@ def _check_max_memory(s: Setup) -> None:
         raise SpecError(f"max_memory gives {len(s.max_memory)} GPU caps for {s.gpus} GPUs (--gpus): give one per GPU")
 
 
+@functools.cache
+def _field_names() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(Setup))
+
+
+@functools.cache
+def _field_defaults() -> dict[str, Any]:
+    """Setup's field defaults by name (read once: every Setup built checks against them)."""
+    return {f.name: f.default for f in dataclasses.fields(Setup)}
+
+
 def _check_objective(s: Setup) -> None:
     """The objective and its knobs: each given only with an objective that reads it."""
     check_choice("objective", s.objective, OBJECTIVES)
@@ -367,7 +393,7 @@ def _check_objective(s: Setup) -> None:
     check_positive("num_generations", s.num_generations)
     if not 0.0 < s.vllm_memory_fraction < 1.0:
         raise SpecError(f"vllm_memory_fraction must be in (0, 1); got {s.vllm_memory_fraction!r}")
-    default = {f.name: f.default for f in dataclasses.fields(Setup)}
+    default = _field_defaults()
     if s.objective != "grpo":
         for name in ("num_generations", "generation", "vllm_memory_fraction"):
             if getattr(s, name) != default[name]:

@@ -27,6 +27,7 @@ Torch-free; checked against the real functions on the meta-device model by
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..specs import GpuSpec, ModelSpec, Setup, SpecError
@@ -71,15 +72,23 @@ class LayerSplit:
     #: GPU here, whose numbers then show the shortfall; CPU offload is not modelled)
     spilled: tuple[str, ...] = ()
 
-    def device_of(self, name: str) -> int:
-        """The GPU of module ``name`` (or of the placed module that contains it)."""
-        best, depth = None, -1
+    @functools.cached_property
+    def _devices(self) -> dict[str, int]:
+        devices: dict[str, int] = {}
         for mod, dev in self.placement:
-            if (name == mod or name.startswith(mod + ".") or mod == "") and len(mod) > depth:
-                best, depth = dev, len(mod)
-        if best is None:
-            raise KeyError(name)
-        return best
+            devices.setdefault(mod, dev)  # a name placed twice: its first placement
+        return devices
+
+    def device_of(self, name: str) -> int:
+        """The GPU of module ``name`` (or of the innermost placed module that contains it; ``""`` is
+        the whole model)."""
+        devices, prefix = self._devices, name
+        while True:
+            if prefix in devices:
+                return devices[prefix]
+            if not prefix:
+                raise KeyError(name)
+            prefix = prefix.rpartition(".")[0]
 
     def layers_on(self, rank: int) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.device_of(f"model.layers.{i}") == rank)
