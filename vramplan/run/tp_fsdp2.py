@@ -53,7 +53,7 @@ import sys
 from ..specs import Setup, SpecError
 from .ranks import RankPeak, failed_launch_rows, launch_ranks, rank_worker, saved_checkpoint
 from .tiny import TINY_BASE, TINY_SEQ, tiny_config, tiny_model
-from .tp_truth import TpRun, measured_steps
+from .tp_truth import TpRun, measured_steps, trainer_mesh_groups
 
 #: A setup run by real TP x FSDP2 ranks: one RankPeak per rank (the TP truth's record).
 TpFsdp2Run = TpRun
@@ -96,25 +96,6 @@ def _build_model(config: dict, setup: Setup, work: str):
     return adapt_for_training(model, setup)
 
 
-def mesh_groups(named) -> list[dict]:
-    """The HF Trainer's parameter groups (decay / no decay) of ``named`` ((name, parameter) pairs,
-    with the set of decay names first), each split by device mesh as ``Trainer.create_optimizer``
-    does when parameters on different meshes mix (``has_mixed_dtensor``)."""
-    from collections import defaultdict
-
-    from torch.distributed.tensor import DTensor
-
-    decay, params = named
-    groups = []
-    for wanted in (True, False):
-        by_mesh = defaultdict(list)
-        for n, p in params:
-            if (n in decay) == wanted:
-                by_mesh[p.device_mesh if isinstance(p, DTensor) else None].append(p)
-        groups += [{"params": ps} for ps in by_mesh.values()]
-    return groups
-
-
 def _prepare(setup: Setup, model, opt):
     """What the HF Trainer's accelerator does with the loaded model (``ParallelismConfig(tp_size,
     dp_shard_size)`` from its ``distributed_config``, ``prepare(model, optimizer)``) under the
@@ -144,7 +125,6 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str) -> dict:
     import gc
 
     import torch
-    import transformers
 
     from .cpu_truth import make_optimizer
     from .fsdp import ResizingCounter
@@ -156,9 +136,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str) -> dict:
     model = _build_model(config, setup, work)
     counter = Counter()
     counter.track(model)
-    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = make_optimizer(setup, mesh_groups((decay, named)), model)
+    opt = make_optimizer(setup, trainer_mesh_groups(model), model)
     acc, wrapped, opt = _prepare(setup, model, opt)
     dp_rank = int(os.environ["RANK"]) // setup.tp  # the fsdp coordinate: tp is the inner mesh dim
     ids = torch.randint(0, int(config["vocab_size"]), (setup.batch, seq),

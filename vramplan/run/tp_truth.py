@@ -177,7 +177,7 @@ def _build_model(config: dict, setup: Setup, work: str):
     return adapt_for_training(model, setup)
 
 
-def _trainer_groups(model):
+def trainer_mesh_groups(model):
     """The HF Trainer's parameter groups (decay / no decay), each split by device mesh as
     ``Trainer.create_optimizer`` does when DTensor and plain parameters mix (``has_mixed_dtensor``)."""
     from collections import defaultdict
@@ -237,7 +237,7 @@ def _run_one(config: dict, setup: Setup, seq: int, work: str) -> dict:
     counter.track(model)
     vocab = int(config["vocab_size"])
     ids = torch.randint(0, vocab, (setup.batch, seq), generator=torch.Generator().manual_seed(1))
-    opt = make_optimizer(setup, _trainer_groups(model), model)
+    opt = make_optimizer(setup, trainer_mesh_groups(model), model)
     peak = measured_steps(counter, model, ids, opt, setup.grad_accum)
     del model, opt
     gc.collect()
