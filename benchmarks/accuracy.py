@@ -15,8 +15,8 @@ import json
 import statistics
 import time
 
-from vramplan.accuracy import FAMILY_MODELS, compare
 from vramplan.specs import Setup
+from vramplan.validate.accuracy import FAMILY_MODELS, compare
 
 
 def family_matrix(full: bool, shapes: list[tuple[int, int]]) -> None:
@@ -46,8 +46,8 @@ def family_matrix(full: bool, shapes: list[tuple[int, int]]) -> None:
 
 def validate_matrix(quick: bool, as_json: bool) -> None:
     """The matrix of `vramplan validate`: one line per row as it runs, then the per-knob summary."""
-    from vramplan.validate import matrix, row_json, run_case, summarize, unverified_rows
-    from vramplan.wording import describe
+    from vramplan.setup.wording import describe
+    from vramplan.validate.matrix import matrix, row_json, run_case, summarize, unverified_rows
 
     t0 = time.perf_counter()
     rows = []

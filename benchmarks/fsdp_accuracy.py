@@ -6,7 +6,7 @@
                                                   # (about 4 min)
     python benchmarks/fsdp_accuracy.py --quick    # the `vramplan validate --quick` subset
 
-The truth is vramplan/run/fsdp.py: N CPU processes (gloo), the tiny Llama-3.2 the ZeRO truth uses,
+The truth is vramplan/truths/fsdp.py: N CPU processes (gloo), the tiny Llama-3.2 the ZeRO truth uses,
 wrapped by accelerate's own FSDP1 preparation with the emitted plugin values (or torch DDP with
 accelerate's defaults), the canonical step twice, each rank's live tensors counted with FSDP's
 CPU-offloaded ones apart. One launch per (shape, world size).
@@ -19,9 +19,9 @@ import time
 
 from _common import print_error_summary, print_rank_rows  # benchmarks/_common.py (scripts run from this folder)
 
-from vramplan.run.fsdp import UNVERIFIED, compare_setups, launches
-from vramplan.run.tiny import TINY_SEQ, tiny_model
 from vramplan.specs import Setup
+from vramplan.truths.fsdp import UNVERIFIED, compare_setups, launches
+from vramplan.truths.tiny import TINY_SEQ, tiny_model
 
 
 def _name(s: Setup) -> str:

@@ -21,9 +21,7 @@ import argparse
 import json
 import time
 
-from vramplan.estimator.corrections import calibration_for
-from vramplan.profiles import load_gpu
-from vramplan.published import (
+from vramplan.calibration.published import (
     UNDER,
     compare,
     estimate_record,
@@ -34,6 +32,8 @@ from vramplan.published import (
     summarize,
     token_slopes,
 )
+from vramplan.estimator.corrections import calibration_for
+from vramplan.model.profiles import load_gpu
 
 
 def main() -> None:

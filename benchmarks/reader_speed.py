@@ -18,7 +18,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "configs"
 
 def cold_ms(path: Path) -> float:
     """The first read in a fresh interpreter, vramplan already imported (what the CLI adds)."""
-    code = ("import time, vramplan.specs, vramplan.inputs; t=time.perf_counter(); "
+    code = ("import time, vramplan.specs, vramplan.setup.inputs; t=time.perf_counter(); "
             f"from vramplan.readers import read_config; read_config({str(path)!r}); print((time.perf_counter()-t)*1e3)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])

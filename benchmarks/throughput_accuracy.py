@@ -1,7 +1,7 @@
 """Cost model vs published fine-tuning throughput, printed as tables. Prints; asserts nothing.
 
-    python benchmarks/throughput_accuracy.py            # the shipped cost model (vramplan/cost.py, committed
-                                                        # constants), the refit (vramplan/cost_fit.py) and
+    python benchmarks/throughput_accuracy.py            # the shipped cost model (vramplan/cost/model.py, committed
+                                                        # constants), the refit (vramplan/cost/fit.py) and
                                                         # its leave-one-out table
     python benchmarks/throughput_accuracy.py --excluded # also the excluded records, counted by reason
 
@@ -15,7 +15,7 @@ import argparse
 import collections
 import time
 
-from vramplan.throughput import ThroughputRow, comparable, compare, load_records, pairs, summarize
+from vramplan.cost.throughput import ThroughputRow, comparable, compare, load_records, pairs, summarize
 
 
 def describe(r: ThroughputRow) -> str:
@@ -55,8 +55,8 @@ def what_if() -> None:
     """The effects the committed model implies for knobs the comparable rows do not vary."""
     from dataclasses import replace
 
-    from vramplan import cost
-    from vramplan.profiles import load_gpu, load_model
+    from vramplan.cost.model import model as cost
+    from vramplan.model.profiles import load_gpu, load_model
     from vramplan.specs import Setup
 
     gpu, mistral, mixtral = load_gpu("a100-80gb"), load_model("mistral-7b"), load_model("mixtral-8x7b")
@@ -102,11 +102,12 @@ def main() -> None:
             print(f"  {n:4d} {why}")
     print()
     shipped = compare(records)
-    print_rows("committed cost model (vramplan/cost.py), tokens/s per GPU:", shipped)
-    from vramplan import cost, cost_fit
+    print_rows("committed cost model (vramplan/cost/model.py), tokens/s per GPU:", shipped)
+    from vramplan.cost.model import fit as cost_fit
+    from vramplan.cost.model import model as cost
 
     fit = cost_fit.fit(records)
-    print("\nconstants: committed (vramplan/cost.py) vs refit on these rows (vramplan/cost_fit.py):")
+    print("\nconstants: committed (vramplan/cost/model.py) vs refit on these rows (vramplan/cost/fit.py):")
     for name, value in cost.CONSTANTS.items():
         print(f"  {name:22s} {value:10.4g}  refit {fit.constants[name]:10.4g}  ({cost.CONSTANT_ROWS[name]}; "
               f"{fit.rows_per_constant.get(name, 0)} rows exercise it)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from vramplan.estimator import estimate
-from vramplan.profiles import load_model
+from vramplan.model.profiles import load_model
 from vramplan.run.tracer import trace
 from vramplan.specs import Setup
 

@@ -9,7 +9,7 @@ Then the same 7-setup matrix on 2 ranks for two other shapes: an untied head (Ll
 down) and q/k/v biases kept gathered by stage 3 as persistent parameters (Qwen2.5-7B scaled down),
 and the MoE matrix (fused 3-D experts: Mixtral and Qwen3-MoE scaled down to 4 experts) on 1 and 2 ranks.
 
-The truth is vramplan/run/distributed.py: N CPU processes (DeepSpeed's CPU accelerator, gloo), a
+The truth is vramplan/truths/distributed.py: N CPU processes (DeepSpeed's CPU accelerator, gloo), a
 tiny Llama-3.2 with random weights, the canonical step twice, each rank's live tensors counted with
 the offloaded (host) ones apart. One launch per world size runs the whole matrix.
 """
@@ -21,7 +21,8 @@ import time
 
 from _common import print_error_summary, print_rank_rows  # benchmarks/_common.py (scripts run from this folder)
 
-from vramplan.run.distributed import (
+from vramplan.specs import Setup
+from vramplan.truths.distributed import (
     LORA_MATRIX,
     MIXED_MATRIX,
     MOE_MATRIX,
@@ -32,8 +33,7 @@ from vramplan.run.distributed import (
     compare_setups,
     nvme_available,
 )
-from vramplan.run.tiny import MOE_BASES, OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_model
-from vramplan.specs import Setup
+from vramplan.truths.tiny import MOE_BASES, OTHER_BASES, TINY_BASE, TINY_SEQ, tiny_model
 
 
 def _name(s: Setup) -> str:
@@ -89,7 +89,7 @@ def main() -> None:
         print(f"not verified: {kw}: {why}")
     if args.timing:
         from vramplan.estimator import estimate
-        from vramplan.profiles import load_model
+        from vramplan.model.profiles import load_model
 
         big = load_model("meta-llama/Llama-3.1-8B")
         setups = [Setup(**kw, gpus=8, seq=2048) for kw in ZERO_MATRIX]

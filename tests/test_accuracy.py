@@ -7,8 +7,8 @@ by benchmarks/accuracy.py.
 
 import pytest
 
-from vramplan.accuracy import FAMILY_MODELS, compare
 from vramplan.specs import Setup
+from vramplan.validate.accuracy import FAMILY_MODELS, compare
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")

@@ -8,14 +8,14 @@ import pytest
 from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
-from vramplan import cost
-from vramplan.architecture import with_layers
 from vramplan.cli import main
+from vramplan.cost.model import model as cost
 from vramplan.emit.frameworks import refusal
 from vramplan.emit.hf_configs import axolotl_config, trl_config
 from vramplan.estimator import estimate
 from vramplan.estimator.act_offload import device_saving_bytes, host_bytes
-from vramplan.profiles import load_model
+from vramplan.model.architecture import with_layers
+from vramplan.model.profiles import load_model
 from vramplan.readers import read_config
 from vramplan.specs import Setup, SpecError
 
@@ -107,7 +107,7 @@ def test_offloading_everything_can_take_more_device_memory_than_checkpointing_al
     """axolotl#3733: without checkpointing TRL offloads every saved tensor, but a storage saved twice
     within the forward stash (the norms' fp32 inputs and normalised outputs that q/k/v and gate/up all
     save) keeps its device tensor: more stays on the GPU than checkpointing's one input per layer."""
-    import vramplan.setup_checks as checks
+    import vramplan.setup.checks as checks
 
     setup = Setup(seq=2048)
     ckpt = _trace(llama2, setup.replace(checkpointing=True))
@@ -183,7 +183,7 @@ def test_writers_emit_the_framework_keys():
 
 def test_the_train_script_runs_the_step_under_trls_manager():
     from vramplan.emit.trainer import script_plan, train_script
-    from vramplan.profiles import load_gpu
+    from vramplan.model.profiles import load_gpu
     from vramplan.specs import Plan
 
     m, gpu = load_model(LLAMA), load_gpu("h100-80gb")
@@ -230,7 +230,7 @@ def test_torchtunes_offloading_is_not_trls(tmp_path):
 
 
 def test_validate_has_the_knob():
-    from vramplan.validate import KNOBS, matrix
+    from vramplan.validate.matrix import KNOBS, matrix
 
     assert "activation_offload" in KNOBS
     assert any(c.knob == "activation_offload" for c in matrix(quick=True))

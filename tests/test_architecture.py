@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from vramplan.architecture import FAMILIES, model_spec_from_config, with_layers
-from vramplan.profiles import load_model, shipped_models
+from vramplan.model.architecture import FAMILIES, model_spec_from_config, with_layers
+from vramplan.model.profiles import load_model, shipped_models
 from vramplan.specs import SpecError
 
 torch = pytest.importorskip("torch")
@@ -109,7 +109,7 @@ def test_unknown_model_type_without_transformers_names_the_extra():
 
     code = (
         "import sys; sys.modules['transformers'] = None; sys.modules['torch'] = None\n"
-        "from vramplan.architecture import model_spec_from_config\n"
+        "from vramplan.model.architecture import model_spec_from_config\n"
         "from vramplan.specs import SpecError\n"
         "try:\n"
         "    model_spec_from_config({'model_type': 'falcon', 'hidden_size': 64})\n"

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vramplan import calibrate as cal
 from vramplan.bands import DEFAULT_ERROR_BANDS, HEADLINES
+from vramplan.calibration import calibrate as cal
+from vramplan.calibration.measure import RECORD_VERSION, append_record
 from vramplan.cli import main
 from vramplan.estimator import estimate
 from vramplan.estimator.corrections import DEFAULT_CORRECTIONS, load_calibrated
-from vramplan.measure import RECORD_VERSION, append_record
-from vramplan.profiles import load_gpu, load_model
+from vramplan.model.profiles import load_gpu, load_model
 from vramplan.specs import Setup
 
 MiB = 2**20

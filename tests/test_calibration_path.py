@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vramplan import calibrate as cal
-from vramplan import published as pub
+from vramplan.calibration import calibrate as cal
+from vramplan.calibration import published as pub
 from vramplan.cli import main
 from vramplan.estimator.corrections import shipped_coefficients
 
@@ -97,7 +97,7 @@ def test_plan_applies_it_and_judges_fit_at_the_bands_high_end(coefficients):
 
 def test_plan_api_takes_the_corrections():
     from vramplan.estimator.corrections import calibration_for
-    from vramplan.profiles import load_gpu
+    from vramplan.model.profiles import load_gpu
     from vramplan.search import plan
 
     corrections, _ = calibration_for(load_gpu("a100-80gb"))

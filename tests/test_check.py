@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.budget import DEFAULT_TOLERANCE, load_specs, parse_tolerance, read_baseline
 from vramplan.cli import main
-from vramplan.planfile import save_plan
+from vramplan.plans.planfile import save_plan
 from vramplan.specs import Plan, SpecError, truncate_config
 
 FITS = """\

@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from vramplan.architecture import with_layers
-from vramplan.profiles import load_model
+from vramplan.model.architecture import with_layers
+from vramplan.model.profiles import load_model
 from vramplan.specs import Setup
 
 torch = pytest.importorskip("torch")

@@ -127,7 +127,7 @@ def test_estimate_no_gpu_says_how_to_check_fit():
 
 
 def test_estimate_config_path_and_directory(tmp_path):
-    from vramplan.profiles import load_model
+    from vramplan.model.profiles import load_model
 
     cfg = dict(load_model("smollm2-135m").config)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -230,7 +230,7 @@ def test_malformed_config_json(tmp_path):
 
 
 def test_incomplete_config_json(tmp_path):
-    from vramplan.profiles import load_model
+    from vramplan.model.profiles import load_model
 
     cfg = dict(load_model("smollm2-135m").config)
     del cfg["hidden_size"]
@@ -349,7 +349,7 @@ def test_random_input_never_tracebacks(model, batch, seq, rank, method, gpu_memo
 def test_hub_id_resolves_from_the_huggingface_cache(tmp_path):
     """A Hub id whose config.json is in huggingface_hub's cache resolves without the network,
     through the real library (the layout it writes: refs/main -> snapshots/<commit>/)."""
-    from vramplan.profiles import load_model
+    from vramplan.model.profiles import load_model
 
     repo = tmp_path / "models--some-org--tiny-llama"
     commit = "0123456789abcdef0123456789abcdef01234567"

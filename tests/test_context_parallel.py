@@ -1,7 +1,7 @@
 """Context parallelism (``--cp N``, issue 17): the estimate (estimator/context_parallel.py: FSDP2 on
 seq/cp tokens plus torch 2.13's ring buffers), what it still refuses and why, the CLI and the emitted
 accelerate config; what this CPU machine can and cannot run of it (the probe), and the N-rank truth
-(vramplan.run.cp_truth) the estimate is checked against (``vramplan validate --knob cp``)."""
+(vramplan.truths.cp_truth) the estimate is checked against (``vramplan validate --knob cp``)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_cp_rank_is_fsdp2_on_the_sequence_share_plus_the_ring():
     (and, checkpointed, the mask) above it; the backward at least that, more where a layer's attention
     backward is its peak (the tiny Llama checkpointed, as in its truth; on Llama-3.1-8B the loss's
     N x V gradients stay the backward's peak)."""
-    from vramplan.run.tiny import tiny_model
+    from vramplan.truths.tiny import tiny_model
 
     for model, seq, kw in ((load_model("llama-3.1-8b"), 16384, {}),
                            (load_model("llama-3.1-8b"), 16384, {"method": "lora", "checkpointing": True, "batch": 2}),
@@ -111,7 +111,7 @@ def test_emitted_cp_config_loads_with_accelerate(tmp_path, monkeypatch):
     from accelerate.utils.launch import prepare_extend_env_parallelism_config
 
     from vramplan.emit import emit_to_dir
-    from vramplan.profiles import load_gpu
+    from vramplan.model.profiles import load_gpu
     from vramplan.specs import Plan
 
     model, gpu = load_model("llama-3.2-1b"), load_gpu("rtx-4090")
@@ -136,7 +136,7 @@ def test_probe_cpu_sdpa_refused_by_torch_ring_runs_with_cpu_flash():
     SDPA (so the stand-in is needed; when a torch release accepts it, this fails and the stand-in
     can go), torch's own ring with the CPU flash kernel per block gives unsharded SDPA's gradients,
     and the truth's counter counts a functional all-gather's buffer once."""
-    from vramplan.run.cp_truth import probe
+    from vramplan.truths.cp_truth import probe
 
     ranks = probe(world=2)
     for r in ranks:
@@ -151,8 +151,8 @@ def test_truth_two_ranks_meets_the_bar():
     """accelerate's FSDP2 + CP on 2 gloo ranks (the quick rows of ``validate --knob cp``): every
     attention call ran the ring on the local half, and the estimate is within 5 % of the fullest rank
     (measured -1.6 % full, +0.4 % LoRA at seq 128 on the tiny Llama)."""
-    from vramplan.run.cp_truth import cp_rows, run_cp
-    from vramplan.run.tiny import tiny_config
+    from vramplan.truths.cp_truth import cp_rows, run_cp
+    from vramplan.truths.tiny import tiny_config
 
     (run,) = run_cp(tiny_config(), [Setup(**CP2, seq=64)], world=2, seq=64)
     assert run.ring_seqs == (32, 32, 32, 32)  # 2 layers x 2 steps, each on half the sequence
@@ -167,9 +167,9 @@ def test_cost_shares_the_sequence_and_adds_the_ring():
     attention), the ring's K/V all-gathers (forward, backward, the recompute) and fp32 dK/dV exchanges
     over the card's link, the tokens of gpus/cp groups; a 4090 (PCIe, no NVLink) pays more for it than
     an H100 (NVLink)."""
-    from vramplan.cost import ring_bandwidth, step_cost
-    from vramplan.cost_cp import ring_bytes_per_micro_step
-    from vramplan.profiles import load_gpu
+    from vramplan.cost.cp import ring_bytes_per_micro_step
+    from vramplan.cost.model import ring_bandwidth, step_cost
+    from vramplan.model.profiles import load_gpu
 
     model = load_model("llama-3.1-8b")
     setup = Setup(**CP4, seq=32768, checkpointing=True, method="lora")
@@ -205,7 +205,7 @@ def test_plan_takes_cp_for_a_sequence_fsdp2_cannot_hold():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_emitted_cp_config_and_train_py_run_on_two_cpu_ranks(tmp_path, method):
-    """The emitted CP YAML and train.py through ``accelerate launch`` on 2 gloo ranks (run/cpu_launch.py,
+    """The emitted CP YAML and train.py through ``accelerate launch`` on 2 gloo ranks (truths/cpu_launch.py,
     stand-in 6: torch's ring with the truth's per-block kernel, as torch's CP dispatcher takes CUDA SDPA
     only): the HF Trainer's accelerator has cp 2 over FSDP2, and every attention call of its two steps
     ran on half the sequence (the Trainer sharded each batch under maybe_context_parallel)."""
@@ -213,10 +213,10 @@ def test_emitted_cp_config_and_train_py_run_on_two_cpu_ranks(tmp_path, method):
     import subprocess
 
     from vramplan.emit import emit_to_dir, launch_command
-    from vramplan.profiles import load_gpu
+    from vramplan.model.profiles import load_gpu
     from vramplan.run import free_port
-    from vramplan.run.cpu_launch import REPORT, cpu_command
     from vramplan.specs import Plan
+    from vramplan.truths.cpu_launch import REPORT, cpu_command
 
     tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 1,
@@ -248,7 +248,7 @@ def test_accelerate_yaml_reads_back_cp_and_warns_of_alltoall(tmp_path):
     import yaml
 
     from vramplan.emit import emit_to_dir
-    from vramplan.profiles import load_gpu
+    from vramplan.model.profiles import load_gpu
     from vramplan.readers import read_config
     from vramplan.specs import Plan
 
@@ -268,7 +268,7 @@ def test_accelerate_yaml_reads_back_cp_and_warns_of_alltoall(tmp_path):
 def test_wide_heads_are_refused_where_transformers_repeats_kv():
     """head_dim > 256: transformers 5.24's use_gqa_in_sdpa answers False and repeat_kv hands the ring K/V
     at the query heads (and CUDA flash takes head_dim <= 256): refused, not estimated at the KV heads."""
-    from vramplan.run.tiny import TINY_SHAPE, tiny_config, tiny_model
+    from vramplan.truths.tiny import TINY_SHAPE, tiny_config, tiny_model
 
     wide = tiny_model(tiny_config(shape={**TINY_SHAPE, "head_dim": 272}))
     with pytest.raises(SpecError, match=r"head_dim 272 > 256.*repeats K/V"):
@@ -281,7 +281,7 @@ def test_cp_beside_fsdp2_data_sharding():
     the sequence over 2 — the same rank as cp 4 on 4 GPUs at twice the sequence; the emitted YAML says
     dp_shard 2, and the plan on 8 x RTX 4090 at seq 32768 takes the smallest cp that fits (cp 4 x dp 2)."""
     from vramplan.emit.accelerate import accelerate_config
-    from vramplan.profiles import load_gpu
+    from vramplan.model.profiles import load_gpu
     from vramplan.search.space_cp import cp_degrees
     from vramplan.specs import Plan
 

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from vramplan import Setup, cost, load_gpu, load_model
+from vramplan import Setup, load_gpu, load_model
+from vramplan.cost.model import model as cost
 from vramplan.specs import GpuSpec
 
 
@@ -208,8 +209,8 @@ def test_lora_target_set_costs_traffic(llama, h100):
 
 
 def test_committed_constants_are_the_refit_of_the_committed_rows():
-    from vramplan import cost_fit
-    from vramplan.throughput import load_records
+    from vramplan.cost.model import fit as cost_fit
+    from vramplan.cost.throughput import load_records
 
     fit = cost_fit.fit(load_records())
     for name, value in cost.CONSTANTS.items():
@@ -220,7 +221,7 @@ def test_committed_constants_are_the_refit_of_the_committed_rows():
 def test_committed_model_meets_the_accuracy_bar_on_the_published_rows():
     """A regression guard of a measured property (issue 12 item 6): median predicted/measured within
     0.85-1.15 and >= 85 % of same-model pairs ordered as measured."""
-    from vramplan.throughput import compare, load_records, summarize
+    from vramplan.cost.throughput import compare, load_records, summarize
 
     s = summarize(compare(load_records()))
     assert 0.85 <= s.median_ratio <= 1.15, s

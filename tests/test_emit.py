@@ -22,7 +22,7 @@ from vramplan import Setup, SpecError, estimate, load_gpu, load_model
 from vramplan.cli import main
 from vramplan.emit import accelerate_config, deepspeed_config, emit_to_dir, launch_commands, render
 from vramplan.emit.common import ACCELERATE_CONFIG, DS_CONFIG, HOSTFILE, LAUNCH_SCRIPT, PLAN_FILE, TRAIN_SCRIPT
-from vramplan.planfile import plan_to_json, save_plan
+from vramplan.plans.planfile import plan_to_json, save_plan
 from vramplan.specs import Plan
 
 GOLDEN = Path(__file__).parent / "golden" / "emit"

@@ -1,7 +1,7 @@
 """The emitted multi-GPU accelerate configs and their train.py run real steps on CPU gloo processes.
 
 Launched as the emitted header says (``accelerate launch --config_file accelerate_config.yaml
-train.py``) with the port and one module in front of the script (vramplan/run/cpu_launch.py):
+train.py``) with the port and one module in front of the script (vramplan/truths/cpu_launch.py):
 accelerate 1.15's launcher, the YAML, the environment it exports, the emitted train.py, the HF
 Trainer, accelerate's FSDP prepare, torch 2.13's FSDP1 / ``fully_shard`` and transformers 5.24's
 tensor-parallel plan are real; the module's five stand-ins are what accelerate's accelerator branch
@@ -27,8 +27,8 @@ import yaml
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.emit import emit_to_dir, launch_command
 from vramplan.run import free_port
-from vramplan.run.cpu_launch import REPORT, cpu_command
 from vramplan.specs import Plan, SpecError
+from vramplan.truths.cpu_launch import REPORT, cpu_command
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 1,
@@ -66,7 +66,7 @@ def test_cpu_command_keeps_the_emitted_launch(tmp_path):
     assert emitted == "accelerate launch --config_file accelerate_config.yaml train.py"
     assert f"# run (from this directory): {emitted}" in (folder / "train.py").read_text()
     assert cpu_command(emitted, 1234) == ["accelerate", "launch", "--config_file", "accelerate_config.yaml",
-                                          "--main_process_port", "1234", "-m", "vramplan.run.cpu_launch",
+                                          "--main_process_port", "1234", "-m", "vramplan.truths.cpu_launch",
                                           "train.py"]
     with pytest.raises(ValueError, match="not an accelerate launch"):
         cpu_command("torchrun --nproc_per_node 2 train.py", 1234)
@@ -87,7 +87,7 @@ ALONE = textwrap.dedent("""
     state = Accelerator(mixed_precision="bf16", cpu=True, fsdp_plugin=fsdp2).state
     out["alone"] = [str(state.distributed_type), "fsdp_plugin" in state.__dict__]
     AcceleratorState._reset_state(reset_partial_state=True)
-    from vramplan.run.cpu_launch import install_stand_ins
+    from vramplan.truths.cpu_launch import install_stand_ins
     install_stand_ins()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     state = Accelerator(mixed_precision="bf16", cpu=True, fsdp_plugin=plugin).state
@@ -119,7 +119,7 @@ def test_accelerate_alone_runs_no_fsdp_on_cpu():
 
 
 def _launch(folder, plan, world: int = 2) -> list[dict]:
-    """The emitted launch (plus the port and vramplan.run.cpu_launch), two steps on ``world`` gloo
+    """The emitted launch (plus the port and vramplan.truths.cpu_launch), two steps on ``world`` gloo
     ranks; each rank's launch report."""
     cmd = cpu_command(launch_command(plan), free_port())
     cmd += ["--cpu", "--max-steps", "2", "--no-save", "--memory-report", "memory.json"]
@@ -235,10 +235,10 @@ def test_fsdp2_cpu_offload_copies_nothing_on_a_cpu_mesh_so_it_stays_refused():
 @pytest.mark.slow
 def test_emitted_tp_lora_config_and_train_py_run_on_two_cpu_ranks(tmp_path):
     """LoRA on the column-parallel Linears under tensor parallelism 2: train.py applies peft 0.21's
-    get_peft_model after the DTensor TP load (as vramplan/run/tp_lora.py ran it, right against an
+    get_peft_model after the DTensor TP load (as vramplan/truths/tp_lora.py ran it, right against an
     unsharded step: tests/test_tp_lora.py), and the Trainer steps on 2 gloo ranks; each rank holds
     half the base, every lora_A whole and its half of every lora_B (a DTensor)."""
-    from vramplan.run.tp_truth import COLWISE_TARGETS
+    from vramplan.truths.tp_truth import COLWISE_TARGETS
 
     setup = Setup(batch=2, seq=32, gpus=2, tp=2, method="lora", lora_rank=4, lora_targets=COLWISE_TARGETS)
     folder, plan = _emit(tmp_path, setup)

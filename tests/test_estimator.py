@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from vramplan.estimator import estimate, lora_params, trainable_params
-from vramplan.profiles import load_gpu, load_model
+from vramplan.model.profiles import load_gpu, load_model
 from vramplan.specs import PHASES, Setup, SpecError
 
 MODEL = load_model("llama-3.1-8b")

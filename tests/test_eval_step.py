@@ -1,7 +1,7 @@
 """The eval step (``--eval-batch``, vramplan/estimator/eval_step.py) as its own phase of the run:
 off it changes nothing; on, its peak is the resting model states plus the no-grad forward at the
 eval batch, checked against the fake-tensor trace of the Trainer's own ``prediction_step``
-(vramplan/run/eval_trace.py) and a real ``Trainer.evaluate`` on this CPU (vramplan/run/eval_truth.py);
+(vramplan/run/eval_trace.py) and a real ``Trainer.evaluate`` on this CPU (vramplan/truths/eval_truth.py);
 the emitted train.py evaluates at that batch."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytest
 from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
-from vramplan.architecture import model_spec_from_config, with_layers
 from vramplan.cli import main
 from vramplan.emit.trainer import script_plan
-from vramplan.errors import SpecError
 from vramplan.estimator.eval_step import EVAL, eval_forward_bytes
+from vramplan.model.architecture import model_spec_from_config, with_layers
 from vramplan.specs import Plan
+from vramplan.util.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = "meta-llama/Llama-3.2-1B"
@@ -95,8 +95,8 @@ def test_real_trainer_evaluate_matches():
     """transformers' own Trainer.evaluate on this CPU: full fine-tuning (the loss is the peak) and
     LoRA at narrow widths (the widest LoRA projection inside a layer is the peak)."""
     pytest.importorskip("torch")
-    from vramplan.run.cpu_truth import shrink_config
-    from vramplan.run.eval_truth import eval_run
+    from vramplan.truths.cpu_truth import shrink_config
+    from vramplan.truths.eval_truth import eval_run
 
     m = load_model(LLAMA)
     cfg = shrink_config(m.config, layers=2, hidden=512, heads=8, vocab=2048)

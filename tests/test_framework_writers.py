@@ -25,7 +25,7 @@ from vramplan.cli import main
 from vramplan.emit import FORMATS, render
 from vramplan.emit.frameworks import CONFIG_FILES, FRAMEWORKS, refusal
 from vramplan.estimator import estimate
-from vramplan.profiles import load_gpu, load_model
+from vramplan.model.profiles import load_gpu, load_model
 from vramplan.readers import plan_inputs, read_config
 from vramplan.specs import Plan, Setup, SpecError
 
@@ -284,7 +284,7 @@ def test_the_field_lists_name_their_source():
 
 def test_emit_command_writes_a_framework_and_says_how_to_run_it(tmp_path):
     plan_file = tmp_path / "plan.yaml"
-    from vramplan.planfile import save_plan
+    from vramplan.plans.planfile import save_plan
 
     save_plan(make_plan(SETUPS["zero2-lora"]), plan_file)
     out = tmp_path / "out"

@@ -1,6 +1,6 @@
 """PyTorch FSDP and DDP: the Setup knob, the per-rank estimate, and the real N-process truth.
 
-The truth (vramplan/run/fsdp.py) launches N CPU processes (gloo) on the tiny Llama the ZeRO truth
+The truth (vramplan/truths/fsdp.py) launches N CPU processes (gloo) on the tiny Llama the ZeRO truth
 uses, wraps it as accelerate does (FSDP1 with the emitted plugin values; DDP with accelerate's
 defaults), runs the canonical step twice and counts each rank's live tensors, FSDP's CPU-offloaded
 ones apart. One 2-rank launch runs every setup (about 25 s on 2 cores); the 1/2/4-rank matrix is
@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from vramplan.cli import main
 from vramplan.estimator import estimate
 from vramplan.estimator.fsdp import fsdp_memory
-from vramplan.profiles import load_model
+from vramplan.model.profiles import load_model
 from vramplan.specs import Setup, SpecError
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -33,7 +33,7 @@ TOLERANCE = 0.05  # every knob's bar (the distributed bar is 10%)
     ({"fsdp": "full_shard", "offload_optimizer": "cpu"}, "use --offload-params cpu"),
     ({"fsdp": "hybrid"}, "fsdp must be one of"),
     ({"offload_params": "cpu"}, "or --fsdp full_shard for FSDP"),
-    # what torch 2.13's FSDP1 cannot run (each seen in vramplan.run.fsdp)
+    # what torch 2.13's FSDP1 cannot run (each seen in vramplan.truths.fsdp)
     ({"fsdp": "full_shard", "method": "lora", "quant": "int8"}, "Cannot flatten integer dtype tensors"),
     ({"fsdp": "full_shard", "method": "qlora", "precision": "bf16-mixed"}, "element by element"),
     ({"fsdp": "shard_grad_op", "method": "qlora"}, "changing the parameters between forward and backward"),
@@ -130,7 +130,7 @@ def test_lora_unsharded_on_tied_embeddings_warns_and_is_not_planned():
     """torch 2.13's FSDP1 fails NO_SHARD (or one rank) + peft LoRA + tied embeddings (plain torch
     FSDP too): estimate says so; the search does not propose it; untied models run (verified)."""
     import vramplan
-    from vramplan.run.tiny import tiny_model
+    from vramplan.truths.tiny import tiny_model
 
     tied, untied = tiny_model(), tiny_model(base="meta-llama/Llama-3.1-8B")
     assert tied.tie_word_embeddings and not untied.tie_word_embeddings
@@ -192,7 +192,7 @@ def test_plan_cli_fsdp_flag():
 
 def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
     """The YAML loads in accelerate; the FSDP plugin `accelerate launch` builds from it has the
-    strategy, offload, wrap policy and prefetch that vramplan.run.fsdp wraps the model with."""
+    strategy, offload, wrap policy and prefetch that vramplan.truths.fsdp wraps the model with."""
     pytest.importorskip("accelerate")
     import dataclasses
 
@@ -207,8 +207,8 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
 
     from vramplan.emit import render
     from vramplan.emit.common import ACCELERATE_CONFIG
-    from vramplan.run.fsdp import _fsdp_plugin, _mixed_precision
     from vramplan.specs import Plan
+    from vramplan.truths.fsdp import _fsdp_plugin, _mixed_precision
 
     m = load_model(MODEL)
     # the plugin looks for an accelerator device when sync_module_states is on (emitted: on)
@@ -244,8 +244,8 @@ def test_emitted_fsdp_config_is_what_the_truth_wraps(tmp_path, monkeypatch):
 
 
 pytest.importorskip("torch")
-from vramplan.run.fsdp import UNVERIFIED, compare_setups  # noqa: E402 (after the importorskip)
-from vramplan.run.tiny import TINY_SEQ  # noqa: E402
+from vramplan.truths.fsdp import UNVERIFIED, compare_setups  # noqa: E402 (after the importorskip)
+from vramplan.truths.tiny import TINY_SEQ  # noqa: E402
 
 N2 = [{"fsdp": "full_shard"}, {"fsdp": "shard_grad_op"}, {"fsdp": "no_shard"},
       {"fsdp": "full_shard", "offload_params": "cpu"}, {"fsdp": "full_shard", "method": "lora"},

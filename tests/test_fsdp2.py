@@ -1,6 +1,6 @@
 """FSDP2 (torch 2.13 ``fully_shard``, accelerate 1.15 ``fsdp_version: 2``): the knob, the per-rank
 estimate (vramplan/estimator/fsdp2.py), the emitted and read configs, and the real N-process truth
-(vramplan/run/fsdp2.py: gloo CPU ranks running accelerate's own FSDP2 prepare; the full 2/4-rank
+(vramplan/truths/fsdp2.py: gloo CPU ranks running accelerate's own FSDP2 prepare; the full 2/4-rank
 matrix is ``vramplan validate --knob fsdp2``).
 """
 
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from vramplan.cli import main
 from vramplan.estimator import estimate
-from vramplan.profiles import load_model
+from vramplan.model.profiles import load_model
 from vramplan.specs import Setup, SpecError
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -97,8 +97,8 @@ def test_emitted_fsdp2_config_loads_in_accelerate_as_the_truth_prepares(tmp_path
     from vramplan.emit import render
     from vramplan.emit.accelerate import MIXED_PRECISION
     from vramplan.emit.common import ACCELERATE_CONFIG
-    from vramplan.run.fsdp2 import fsdp2_plugin
     from vramplan.specs import Plan
+    from vramplan.truths.fsdp2 import fsdp2_plugin
 
     m = load_model(MODEL)
     monkeypatch.setattr(acc_dc, "is_cuda_available", lambda: True)
@@ -185,8 +185,8 @@ def test_plan_searches_fsdp1_unless_fsdp2_is_fixed_and_emits_what_it_estimated()
 @pytest.mark.slow
 def test_fsdp2_estimate_within_5_percent_of_every_rank():
     pytest.importorskip("accelerate")
-    from vramplan.run.fsdp2 import FSDP2_MATRIX, compare_setups
-    from vramplan.run.tiny import TINY_SEQ
+    from vramplan.truths.fsdp2 import FSDP2_MATRIX, compare_setups
+    from vramplan.truths.tiny import TINY_SEQ
 
     setups = [Setup(**kw, gpus=2, seq=TINY_SEQ, fsdp_version=2) for kw in FSDP2_MATRIX[:3]]
     for run, est in compare_setups(setups, 2):
@@ -197,8 +197,8 @@ def test_fsdp2_estimate_within_5_percent_of_every_rank():
 
 
 def test_what_validate_lists_as_unverified_the_estimate_refuses():
-    from vramplan.run.fsdp2 import FSDP2_UNVERIFIED
-    from vramplan.run.tiny import MOE_BASES, tiny_model
+    from vramplan.truths.fsdp2 import FSDP2_UNVERIFIED
+    from vramplan.truths.tiny import MOE_BASES, tiny_model
 
     for kw, why in FSDP2_UNVERIFIED:
         if "hybrid" in kw:  # not a Setup choice at all

@@ -15,16 +15,16 @@ import pytest
 from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
-from vramplan import cost
 from vramplan.cli import main
+from vramplan.cost.model import model as cost
 from vramplan.emit import emit_to_dir
 from vramplan.estimator import estimate, weights_bytes
-from vramplan.planfile import load_plan, save_plan
-from vramplan.profiles import load_gpu, load_model
+from vramplan.model.profiles import load_gpu, load_model
+from vramplan.plans.planfile import load_plan, save_plan
 from vramplan.search import plan
 from vramplan.specs import Plan, Setup, SpecError
-from vramplan.units import awq_linear_bytes, gptq_linear_bytes
-from vramplan.validate import unverified_rows
+from vramplan.util.units import awq_linear_bytes, gptq_linear_bytes
+from vramplan.validate.matrix import unverified_rows
 
 LLAMA = "llama-3.1-8b"
 GPTQ = Setup(method="lora", quant="gptq")

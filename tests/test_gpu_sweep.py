@@ -136,10 +136,10 @@ def test_built_wheels_match_the_list():
 
 
 def test_every_gpu_sweep_run_estimates_and_emits(tmp_path):
-    from vramplan import sweep as sw
+    from vramplan.calibration import sweep as sw
     from vramplan.emit import emit_to_dir
     from vramplan.estimator import estimate
-    from vramplan.profiles import load_gpu, load_model
+    from vramplan.model.profiles import load_gpu, load_model
     from vramplan.specs import Plan
 
     spec = sw.load_matrix(str(MATRIX))
@@ -158,7 +158,7 @@ def test_every_gpu_sweep_run_estimates_and_emits(tmp_path):
 def test_dry_run_predicts_the_sweep_within_its_budget(validate):
     """The shipped matrix on an H200: at least 20 runs predicted within gpu_sweep.sh's 7-minute
     budget and all of them within 8 (the device call allows 10), in the order the sweep takes them."""
-    from vramplan import sweep as sw
+    from vramplan.calibration import sweep as sw
 
     result = CliRunner().invoke(main, ["sweep", str(MATRIX), "--dry-run", "--budget", "7m", "--json",
                                        "--records", "/nonexistent-records"])
@@ -178,8 +178,8 @@ def test_dry_run_predicts_the_sweep_within_its_budget(validate):
 
 
 def test_predicted_time_grows_with_what_a_run_does():
-    from vramplan import sweep as sw
-    from vramplan.profiles import load_gpu, load_model
+    from vramplan.calibration import sweep as sw
+    from vramplan.model.profiles import load_gpu, load_model
     from vramplan.specs import Setup
 
     h200, small, big = load_gpu("h200"), load_model("smollm2-135m"), load_model("llama-3.2-1b")
@@ -194,15 +194,15 @@ def test_predicted_time_grows_with_what_a_run_does():
 
 @pytest.mark.parametrize(("text", "seconds"), [("6m30s", 390), ("1h 30m", 5400), ("90", 90), ("7m", 420)])
 def test_budget_durations(text, seconds):
-    from vramplan.sweep import parse_duration
+    from vramplan.calibration.sweep import parse_duration
 
     assert parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["6m30", "m30s", "soon", ""])
 def test_bad_budget_durations(text):
+    from vramplan.calibration.sweep import parse_duration
     from vramplan.specs import SpecError
-    from vramplan.sweep import parse_duration
 
     with pytest.raises(SpecError, match="--budget"):
         parse_duration(text)
@@ -225,7 +225,7 @@ def test_nvml_device_follows_cuda_visible_devices():
 
 
 def test_emulation_fraction():
-    from vramplan.profiles import load_gpu
+    from vramplan.model.profiles import load_gpu
     from vramplan.run.device_memory import emulation_fraction
 
     total, context = 150_754_820_096, 520 * 2**20
@@ -313,10 +313,10 @@ def test_device_memory_with_the_real_nvidia_ml_py_and_no_driver():
 
 def test_cuda_result_assembly_and_record(validate, tmp_path):
     """Measure.result() on CUDA: each peak the maximum over phases, device memory the largest
-    sample, and the record vramplan.measure builds from it holds the measurement schema."""
-    from vramplan import measure as m
+    sample, and the record vramplan.calibration.measure builds from it holds the measurement schema."""
+    from vramplan.calibration import measure as m
     from vramplan.estimator import estimate
-    from vramplan.profiles import load_gpu, load_model
+    from vramplan.model.profiles import load_gpu, load_model
     from vramplan.run.callback import Measure
     from vramplan.specs import Plan, Setup
 
@@ -389,7 +389,7 @@ def summary_names() -> list[str]:
 
 
 def test_commit_from_the_environment(monkeypatch):
-    from vramplan import measure as m
+    from vramplan.calibration import measure as m
 
     monkeypatch.setenv("VRAMPLAN_COMMIT", "e53e082abcde-dirty")
     assert m.vramplan_commit() == "e53e082abcde-dirty"
@@ -445,7 +445,7 @@ def test_a_run_starts_only_if_its_expected_time_is_left():
     """The budget guard: before any run, MIN_RUN_S; then the run's prediction scaled by the median
     measured/predicted ratio so far (+25 %), so one slow run (a compile, a timeout) does not stop
     the sweep with minutes left."""
-    from vramplan import sweep as sw
+    from vramplan.calibration import sweep as sw
     from vramplan.specs import Setup
 
     run = sw.Run(name="r", model="smollm2-135m", setup=Setup(), predicted_s=20.0)

@@ -1,6 +1,6 @@
 """Hostile input (issue 14): malformed config.json, plan files, checks files and baselines, absurd
 sizes and click's usage errors all end in one ``error:`` line and exit 2, never a traceback, and
-answer quickly (the limits are at the input layer, vramplan/inputs.py)."""
+answer quickly (the limits are at the input layer, vramplan/setup/inputs.py)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_malformed_config_is_one_line(tmp_path, case):
 
 
 def test_config_dict_from_python_is_checked_too():
-    from vramplan.architecture import model_spec_from_config
+    from vramplan.model.architecture import model_spec_from_config
     from vramplan.specs import SpecError
 
     with pytest.raises(SpecError, match="hidden_size"):
@@ -204,12 +204,12 @@ def test_usage_error_from_the_real_command_is_one_line():
 
 
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
-    import vramplan.profiles
+    import vramplan.model.profiles
 
     def interrupted(name):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(vramplan.profiles, "load_model", interrupted)
+    monkeypatch.setattr(vramplan.model.profiles, "load_model", interrupted)
     r = run("estimate", "smollm2-135m")
     assert r.exit_code == 130 and "Traceback" not in r.output
     assert r.stderr.strip() == "error: interrupted"

@@ -2,7 +2,7 @@
 GPUs and replicates across dp_replicate groups. The knob and its refusals, the per-rank estimate
 (vramplan/estimator/hybrid_shard.py), the cost of the all-reduce across replicas, the emitted and
 read accelerate configs (loaded with accelerate 1.15's own launcher), and the real 4-rank truth
-(vramplan/run/hsdp_truth.py: a 2 x 2 mesh; the full matrix is ``vramplan validate --knob hybrid_shard``).
+(vramplan/truths/hsdp_truth.py: a 2 x 2 mesh; the full matrix is ``vramplan validate --knob hybrid_shard``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from vramplan.cli import main
 from vramplan.estimator import estimate
-from vramplan.profiles import load_gpu, load_model
+from vramplan.model.profiles import load_gpu, load_model
 from vramplan.specs import Plan, Setup, SpecError
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -103,7 +103,7 @@ def test_fsdp2_hsdp_holds_every_groups_16_bit_reduce_output_to_the_end_of_the_ba
 
 
 def test_the_all_reduce_across_replicas_is_priced_and_the_gathers_stay_in_the_node():
-    from vramplan import cost
+    from vramplan.cost.model import model as cost
     from vramplan.estimator.hybrid_shard import replica_bytes, shard_nodes
 
     m = load_model(MODEL)
@@ -221,8 +221,8 @@ def test_a_one_node_hybrid_shard_reads_as_full_shard_and_says_so(tmp_path):
 
 
 def test_what_validate_lists_as_unverified_the_estimate_refuses():
-    from vramplan.run.hsdp_truth import HSDP_UNVERIFIED, REPLICAS, WORLD
-    from vramplan.run.tiny import TINY_SEQ, tiny_model
+    from vramplan.truths.hsdp_truth import HSDP_UNVERIFIED, REPLICAS, WORLD
+    from vramplan.truths.tiny import TINY_SEQ, tiny_model
 
     for kw, _why in HSDP_UNVERIFIED:
         with pytest.raises(SpecError):
@@ -233,8 +233,8 @@ def test_what_validate_lists_as_unverified_the_estimate_refuses():
 @pytest.mark.parametrize("version", [2, 1])
 def test_hsdp_estimate_within_5_percent_of_every_rank(version):
     pytest.importorskip("accelerate")
-    from vramplan.run.hsdp_truth import HSDP1_MATRIX, HSDP2_MATRIX, run_launch
-    from vramplan.run.tiny import TINY_SEQ
+    from vramplan.truths.hsdp_truth import HSDP1_MATRIX, HSDP2_MATRIX, run_launch
+    from vramplan.truths.tiny import TINY_SEQ
 
     kws = (HSDP2_MATRIX[0], HSDP2_MATRIX[3]) if version == 2 else (HSDP1_MATRIX[0], HSDP1_MATRIX[2])
     for setup, worst, ranks, est in run_launch(version, TINY_SEQ, kws):

@@ -117,7 +117,7 @@ def test_emit_does_not_import_torch(tmp_path):
         from click.testing import CliRunner
         from vramplan import Setup, estimate, load_gpu, load_model
         from vramplan.cli import main
-        from vramplan.planfile import save_plan
+        from vramplan.plans.planfile import save_plan
         from vramplan.specs import Plan
         model, gpu = load_model("llama-3.1-8b"), load_gpu("a100-80gb")
         setup = Setup(method="qlora", zero_stage=3, gpus=16, checkpointing=True)
@@ -177,7 +177,8 @@ def test_measure_launcher_sweep_and_calibrate_do_not_import_torch(tmp_path):
         import sys
         from click.testing import CliRunner
         from vramplan.cli import main
-        import vramplan.calibrate, vramplan.measure, vramplan.run.launch, vramplan.sweep
+        import vramplan.calibration.calibrate, vramplan.calibration.measure, vramplan.calibration.sweep
+        import vramplan.run.launch
         for args, code in ((["calibrate", "--records", {str(tmp_path)!r}, "--out", {str(tmp_path / "c.json")!r}], 0),
                            (["sweep", {str(matrix)!r}, "--dry-run", "--records", {str(tmp_path)!r}], 0),
                            (["measure", "llama-3.2-1b", "--steps", "0"], 2)):

@@ -1,5 +1,5 @@
 """VramplanCallback (vramplan.integrations.transformers) in real Trainer runs on the CPU: a tiny
-random Llama (vramplan.run.tiny's shape), full fine-tune and peft LoRA under transformers'
+random Llama (vramplan.truths.tiny's shape), full fine-tune and peft LoRA under transformers'
 Trainer, and TRL 1.16's SFTTrainer. For each: the Setup the callback builds equals the Setup the
 run's arguments describe, the estimate is logged, the live-tensor peak is measured against it,
 and the record it appends is read by the real ``vramplan calibrate`` fit."""
@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vramplan import measure  # noqa: E402
-from vramplan.calibrate import fit  # noqa: E402
-from vramplan.run.tiny import tiny_config  # noqa: E402
+from vramplan.calibration import measure  # noqa: E402
+from vramplan.calibration.calibrate import fit  # noqa: E402
 from vramplan.specs import Setup  # noqa: E402
+from vramplan.truths.tiny import tiny_config  # noqa: E402
 
 SEQ = 32
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Knob by knob: the estimator's terms against what the real libraries allocate.
 
-bitsandbytes' layers and optimizers run for real on this CPU (vramplan.run.cpu_truth); torch's and
+bitsandbytes' layers and optimizers run for real on this CPU (vramplan.truths.cpu_truth); torch's and
 transformers' optimizers, autocast, accumulation and the chunked loss run on fake tensors
 (vramplan.run.tracer). Models are narrow two-layer copies of shipped profiles, so each test takes
 about a second. The full matrix is `vramplan validate` (benchmarks/accuracy.py --validate).
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import pytest
 
-from vramplan.architecture import model_spec_from_config, with_layers
 from vramplan.estimator import estimate, optimizer_state_bytes
-from vramplan.profiles import load_model
+from vramplan.model.architecture import model_spec_from_config, with_layers
+from vramplan.model.profiles import load_model
 from vramplan.specs import Setup
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
-from vramplan.run.cpu_truth import (  # noqa: E402 (after the importorskips)
+from vramplan.truths.cpu_truth import (  # noqa: E402 (after the importorskips)
     build_model,
     make_optimizer,
     quant_state_tensors,

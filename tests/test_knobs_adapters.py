@@ -11,12 +11,12 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from vramplan.architecture import with_layers
 from vramplan.cli import main
 from vramplan.estimator import estimate
-from vramplan.profiles import load_gpu, load_model
+from vramplan.model.architecture import with_layers
+from vramplan.model.profiles import load_gpu, load_model
+from vramplan.setup.wording import describe
 from vramplan.specs import Plan, Setup, SpecError
-from vramplan.wording import describe
 
 LLAMA = "meta-llama/Llama-3.2-1B"  # tied embeddings
 QWEN = "Qwen/Qwen2.5-7B"  # untied head, vocab 152064
@@ -241,8 +241,8 @@ def test_the_trace_applies_the_knobs_for_real(llama2):
 
 
 def test_validate_knob_rows_meet_the_bar():
-    from vramplan.validate import Case, run_case
-    from vramplan.validate_knobs import knob_cases
+    from vramplan.validate.knobs import knob_cases
+    from vramplan.validate.matrix import Case, run_case
 
     for case in knob_cases(True, Case, (LLAMA,)):
         for row in run_case(case):
@@ -253,8 +253,8 @@ def test_cpu_runs_meet_the_bar():
     """A 4-bit base (the copies fp32, DoRA's dequantized weight) and 8-bit AdamW (the embedding
     copy's 32-bit override): real CPU steps of a narrow Llama, every row (weights included)."""
     pytest.importorskip("bitsandbytes")
-    from vramplan.validate import Case, run_case
-    from vramplan.validate_knobs import knob_cases
+    from vramplan.validate.knobs import knob_cases
+    from vramplan.validate.matrix import Case, run_case
 
     cases = [c for c in knob_cases(False, Case, (LLAMA,)) if c.truth == "cpu-run"]
     assert {c.knob for c in cases} == {"modules_to_save", "dora"}

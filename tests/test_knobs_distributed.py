@@ -1,15 +1,15 @@
 """The knobs of today's runs on N ranks: peft's ``modules_to_save`` under DeepSpeed ZeRO 1/2, DDP and
 FSDP1 full_shard (estimator/distributed.py, estimator/fsdp.py, estimator/knobs.py), checked against
 the real engines on 2 CPU ranks
-(vramplan.run.distributed, vramplan.run.fsdp); what stays refused, and why."""
+(vramplan.truths.distributed, vramplan.truths.fsdp); what stays refused, and why."""
 
 from __future__ import annotations
 
 import pytest
 
 from vramplan import Setup, estimate, load_model
-from vramplan.run.tiny import TINY_SEQ, tiny_model
 from vramplan.specs import SpecError
+from vramplan.truths.tiny import TINY_SEQ, tiny_model
 
 BOTH = "embed_tokens,lm_head"
 
@@ -64,8 +64,8 @@ def test_against_two_real_ranks():
     tiny Llama: the worst rank's tensor peak and each phase's within 5 % (validate --knob modules_to_save; its
     first ZeRO and DDP setups here)."""
     pytest.importorskip("deepspeed")
-    from vramplan.accuracy import Row
-    from vramplan.validate_knobs import distributed_knob_rows
+    from vramplan.validate.accuracy import Row
+    from vramplan.validate.knobs import distributed_knob_rows
 
     rows = distributed_knob_rows(True, Row)
     assert {r.truth for r in rows} == {"deepspeed-2", "fsdp-2", "ddp-2"}

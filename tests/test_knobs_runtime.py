@@ -17,9 +17,9 @@ from click.testing import CliRunner
 
 import vramplan
 from vramplan import Setup, SpecError, estimate, load_gpu, load_model
-from vramplan.architecture import with_layers
 from vramplan.cli import main
 from vramplan.estimator import liger as est_liger
+from vramplan.model.architecture import with_layers
 from vramplan.readers import read_config
 
 LLAMA = "meta-llama/Llama-3.2-1B"
@@ -121,7 +121,7 @@ def test_trace_of_the_stand_ins_matches_the_estimate():
 
 
 def test_validate_knob_liger_is_in_the_matrix():
-    from vramplan.validate import KNOB_PHASES, KNOBS, LIGER_SETUPS, matrix
+    from vramplan.validate.matrix import KNOB_PHASES, KNOBS, LIGER_SETUPS, matrix
 
     assert "liger" in KNOBS and KNOB_PHASES["liger"] == ("backward",)
     cases = [c for c in matrix() if c.knob == "liger"]
@@ -162,7 +162,7 @@ def test_plan_takes_liger_where_it_saves_memory():
     without = vramplan.plan("llama-3.2-1b", "rtx-3060-12gb", seq=8192, liger=False)
     assert not without.setup.liger and not without.fits
     assert not vramplan.plan("gemma-2-9b", "rtx-4090").setup.liger  # gemma2: not modelled, not searched
-    from vramplan.cost import LIGER_THROUGHPUT, step_cost
+    from vramplan.cost.model import LIGER_THROUGHPUT, step_cost
 
     model = load_model("llama-3.2-1b")
     fused, plain = step_cost(model, p.setup, p.gpu), step_cost(model, p.setup.replace(liger=False), p.gpu)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main as cli
-from vramplan.cost import step_cost
+from vramplan.cost.model import step_cost
 from vramplan.emit import emit_to_dir
 from vramplan.estimator.corrections import DEFAULT_CORRECTIONS
 from vramplan.estimator.layer_split import clean_device_map, free_memory_bytes, place
@@ -35,7 +35,7 @@ PLACEMENTS = [
 @pytest.mark.parametrize("strategy", ["auto", "sequential"])
 @pytest.mark.parametrize("name,kw,gpus,gpu_name", PLACEMENTS)
 def test_placement_is_transformers_own(name, kw, gpus, gpu_name, strategy):
-    from vramplan.run.layer_split_truth import layer_devices, placed_bytes, real_device_map
+    from vramplan.truths.layer_split_truth import layer_devices, placed_bytes, real_device_map
 
     model, gpu = load_model(name), load_gpu(gpu_name)
     setup = Setup(gpus=gpus, device_map=strategy, **kw)
@@ -59,8 +59,8 @@ def test_auto_spreads_the_70b_and_ties_the_head_to_the_embedding():
 
 
 def test_each_gpu_matches_the_per_gpu_traced_step():
-    from vramplan.run.layer_split_trace import traced_rank_peaks
-    from vramplan.run.layer_split_truth import real_device_map
+    from vramplan.truths.layer_split_trace import traced_rank_peaks
+    from vramplan.truths.layer_split_truth import real_device_map
 
     model, gpu = load_model("llama-3.2-1b"), load_gpu("rtx-3090")
     setup = Setup(method="lora", seq=512, gpus=2, device_map="auto")

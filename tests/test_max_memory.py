@@ -15,7 +15,7 @@ from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main as cli
 from vramplan.emit.trainer import script_plan, train_script
 from vramplan.estimator.layer_split import place
-from vramplan.max_memory import accelerate_size, caps_text, max_memory_map, parse_max_memory
+from vramplan.setup.max_memory import accelerate_size, caps_text, max_memory_map, parse_max_memory
 from vramplan.specs import Plan, SpecError
 
 GiB = 2**30
@@ -78,7 +78,7 @@ def test_setup_field_defaults_off_and_checks_its_neighbours():
 
 
 def test_plan_file_round_trip(tmp_path):
-    from vramplan.planfile import load_plan, save_plan
+    from vramplan.plans.planfile import load_plan, save_plan
 
     model, gpu = load_model("llama-3.2-1b"), load_gpu("rtx-3090")
     setup = Setup(method="lora", gpus=2, device_map="auto", max_memory=(GiB, 4 * GiB))
@@ -107,15 +107,15 @@ def test_cli_refuses_in_one_line(args, fragment):
 
 def _cases():
     """The validate matrix's capped cases; the 70B QLoRA (its meta model is the slow one) marked slow."""
-    from vramplan.run.max_memory_truth import CASES
+    from vramplan.truths.max_memory_truth import CASES
 
     return [pytest.param(*c, marks=pytest.mark.slow) if "70B" in c[0] else c for c in CASES]
 
 
 @pytest.mark.parametrize("name,kw,caps", _cases())
 def test_capped_placement_is_transformers_own(name, kw, caps):
-    from vramplan.run.layer_split_truth import layer_devices, placed_bytes
-    from vramplan.run.max_memory_truth import capped_device_map, capped_setup
+    from vramplan.truths.layer_split_truth import layer_devices, placed_bytes
+    from vramplan.truths.max_memory_truth import capped_device_map, capped_setup
 
     model, setup = load_model(name), capped_setup(kw, caps)
     split = place(model, setup, None, 0)
@@ -139,7 +139,7 @@ def test_caps_move_the_split():
 
 
 def test_what_fits_on_no_gpu_is_refused_as_accelerate_would_offload_it():
-    from vramplan.run.max_memory_truth import capped_device_map
+    from vramplan.truths.max_memory_truth import capped_device_map
 
     model = load_model("llama-3.1-8b")
     setup = Setup(method="lora", gpus=2, device_map="auto", max_memory="0=2GiB,1=2GiB")
@@ -149,8 +149,8 @@ def test_what_fits_on_no_gpu_is_refused_as_accelerate_would_offload_it():
 
 
 def test_each_gpu_matches_the_traced_step_under_the_caps():
-    from vramplan.run.layer_split_trace import traced_rank_peaks
-    from vramplan.run.max_memory_truth import capped_device_map
+    from vramplan.truths.layer_split_trace import traced_rank_peaks
+    from vramplan.truths.max_memory_truth import capped_device_map
 
     model = load_model("llama-3.2-1b")
     setup = Setup(method="lora", seq=512, gpus=2, device_map="auto", max_memory="0=1GiB,1=4GiB")
@@ -166,7 +166,7 @@ def test_each_gpu_matches_the_traced_step_under_the_caps():
 @pytest.mark.slow
 def test_validate_rows_meet_the_bar():
     """``vramplan validate --knob device_map``'s capped rows (every case): worst |error| <= 5 %."""
-    from vramplan.run.max_memory_truth import max_memory_rows
+    from vramplan.truths.max_memory_truth import max_memory_rows
 
     rows = max_memory_rows()
     assert {r.truth for r in rows} == {"placement", "trace"} and all(r.knob == "device_map" for r in rows)

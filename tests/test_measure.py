@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vramplan import measure as m
+from vramplan.calibration import measure as m
 from vramplan.cli import main
 from vramplan.estimator import estimate
-from vramplan.profiles import load_gpu, load_model
+from vramplan.model.profiles import load_gpu, load_model
 from vramplan.specs import Plan, Setup
 
 MODEL = "meta-llama/Llama-3.2-1B"
@@ -237,7 +237,7 @@ def test_sweep_records_a_run_killed_at_its_timeout_and_retries_it(runs):
 
 
 def test_sweep_order_and_budget_without_running(tmp_path):
-    from vramplan import sweep as sw
+    from vramplan.calibration import sweep as sw
 
     matrix = tmp_path / "m.yaml"
     matrix.write_text(CPU_MATRIX + """
@@ -264,7 +264,7 @@ def test_sweep_order_and_budget_without_running(tmp_path):
 def test_shipped_gpu_sweep_matrix_loads():
     from pathlib import Path
 
-    from vramplan import sweep as sw
+    from vramplan.calibration import sweep as sw
 
     spec = sw.load_matrix(str(Path(__file__).parents[1] / "calibration" / "gpu-sweep.yaml"))
     assert spec.device == "cuda" and len(spec.runs) >= 20
@@ -286,7 +286,7 @@ def _record(i: int, pad: int = 0) -> dict:
 def test_records_survive_kill_9_mid_append(tmp_path):
     path = tmp_path / "r.jsonl"
     code = textwrap.dedent(f"""
-        from vramplan.measure import append_record
+        from vramplan.calibration.measure import append_record
         i = 0
         while True:
             append_record({str(path)!r}, {{"vramplan_measurement": 1, "i": i, "pad": "x" * 2_000_000}})
@@ -319,7 +319,7 @@ def test_concurrent_appends_never_interleave(tmp_path):
     path = tmp_path / "r.jsonl"
     code = textwrap.dedent(f"""
         import sys
-        from vramplan.measure import append_record
+        from vramplan.calibration.measure import append_record
         for i in range(40):
             append_record({str(path)!r}, {{"vramplan_measurement": 1, "i": i, "w": sys.argv[1], "pad": "y" * 100_000}})
     """)
@@ -363,7 +363,7 @@ def test_cli_bad_options_are_one_line(args, message):
 
 
 def test_cli_plan_file_refuses_setup_options(tmp_path):
-    from vramplan.planfile import save_plan
+    from vramplan.plans.planfile import save_plan
 
     spec = load_model("llama-3.2-1b")
     plan = Plan(model=spec.name, setup=Setup(), breakdown=estimate(spec, Setup(), load_gpu("h100-80gb")))

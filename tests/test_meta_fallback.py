@@ -44,9 +44,9 @@ def test_unsupported_architectures_are_one_line(tmp_path, config, fragment):
 
 def test_refusal_comes_before_transformers_is_imported(tmp_path):
     """No torch, no transformers: the refusal is read from config.json's keys alone."""
-    code = ("import json, sys; from vramplan.architecture import model_spec_from_config; from vramplan.specs import "
-            "SpecError\nfor c in json.loads(sys.argv[1]):\n    try: model_spec_from_config(c)\n"
-            "    except SpecError: pass\n    else: sys.exit('accepted')\n"
+    code = ("import json, sys; from vramplan.model.architecture import model_spec_from_config\n"
+            "from vramplan.specs import SpecError\nfor c in json.loads(sys.argv[1]):\n"
+            "    try: model_spec_from_config(c)\n    except SpecError: pass\n    else: sys.exit('accepted')\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([T5, BART, MAMBA, CUSTOM_SSM])],
                          capture_output=True, text=True, check=True)
@@ -71,7 +71,7 @@ def test_fallback_prints_nothing_of_transformers(tmp_path):
 
 def test_fallback_restores_transformers_verbosity():
     transformers = pytest.importorskip("transformers")
-    from vramplan.architecture import model_spec_from_config
+    from vramplan.model.architecture import model_spec_from_config
 
     before = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_info()

@@ -152,9 +152,9 @@ def test_plan_fixes_the_objective_on_one_resident_gpu():
 
 
 def _narrow():
-    from vramplan.architecture import model_spec_from_config
-    from vramplan.run.cpu_truth import shrink_config
-    from vramplan.validate import CPU_SHRINK
+    from vramplan.model.architecture import model_spec_from_config
+    from vramplan.truths.cpu_truth import shrink_config
+    from vramplan.validate.matrix import CPU_SHRINK
 
     m = load_model("meta-llama/Llama-3.2-1B")
     cfg = shrink_config(m.config, **CPU_SHRINK)
@@ -163,7 +163,7 @@ def _narrow():
 
 def test_dpo_trainer_on_the_cpu_within_five_percent():
     pytest.importorskip("trl")
-    from vramplan.run.objectives import run_dpo
+    from vramplan.truths.objectives import run_dpo
 
     cfg, spec = _narrow()
     s = Setup(method="lora", objective="dpo", seq=128, batch=2)
@@ -177,8 +177,8 @@ def test_dpo_trainer_on_the_cpu_within_five_percent():
 
 def test_traced_grpo_step_within_five_percent():
     pytest.importorskip("trl")
-    from vramplan.architecture import with_layers
-    from vramplan.run.objective_trace import trace_objective
+    from vramplan.model.architecture import with_layers
+    from vramplan.truths.objective_trace import trace_objective
 
     spec = with_layers(load_model("meta-llama/Llama-3.2-1B"), 2)
     s = Setup(method="lora", objective="grpo", seq=1024, batch=1, num_generations=4, max_completion_length=512)
@@ -190,7 +190,7 @@ def test_traced_grpo_step_within_five_percent():
 @pytest.mark.slow
 def test_grpo_trainer_with_hf_generation_on_the_cpu():
     pytest.importorskip("trl")
-    from vramplan.run.objectives import run_grpo
+    from vramplan.truths.objectives import run_grpo
 
     cfg, spec = _narrow()
     s = Setup(objective="grpo", seq=128, batch=1, num_generations=4, max_completion_length=32)

@@ -135,9 +135,9 @@ def test_plan_keeps_orpo_and_kto():
 
 
 def _narrow():
-    from vramplan.architecture import model_spec_from_config
-    from vramplan.run.cpu_truth import shrink_config
-    from vramplan.validate import CPU_SHRINK
+    from vramplan.model.architecture import model_spec_from_config
+    from vramplan.truths.cpu_truth import shrink_config
+    from vramplan.validate.matrix import CPU_SHRINK
 
     m = load_model("meta-llama/Llama-3.2-1B")
     cfg = shrink_config(m.config, **CPU_SHRINK)
@@ -153,7 +153,7 @@ def _within(e, t, phases=()):
 @pytest.mark.slow
 def test_orpo_trainer_on_the_cpu_within_five_percent():
     pytest.importorskip("trl")
-    from vramplan.run.objectives import run_orpo
+    from vramplan.truths.objectives import run_orpo
 
     cfg, spec = _narrow()
     s = Setup(method="lora", objective="orpo", seq=128, batch=2)
@@ -166,7 +166,7 @@ def test_orpo_trainer_on_the_cpu_within_five_percent():
 
 def test_kto_trainer_on_the_cpu_within_five_percent():
     pytest.importorskip("trl")
-    from vramplan.run.objectives import run_kto
+    from vramplan.truths.objectives import run_kto
 
     cfg, spec = _narrow()
     s = Setup(method="lora", objective="kto", seq=128, batch=2, grad_accum=2)
@@ -184,8 +184,8 @@ def test_kto_trainer_on_the_cpu_within_five_percent():
 ], ids=["orpo-full", "orpo-lora-fp32", "kto-lora", "kto-copy-ckpt"])
 def test_traced_steps_within_five_percent(setup):
     pytest.importorskip("trl")
-    from vramplan.architecture import with_layers
-    from vramplan.run.objective_trace import trace_objective
+    from vramplan.model.architecture import with_layers
+    from vramplan.truths.objective_trace import trace_objective
 
     spec = with_layers(load_model("meta-llama/Llama-3.2-1B"), 2)
     t = trace_objective(spec.config, setup)
@@ -195,8 +195,8 @@ def test_traced_steps_within_five_percent(setup):
 
 
 def test_validate_has_orpo_and_kto_cases():
-    from vramplan.validate import DENSE, KNOBS, Case
-    from vramplan.validate_objectives import objective_cases
+    from vramplan.validate.matrix import DENSE, KNOBS, Case
+    from vramplan.validate.objectives import objective_cases
 
     assert {"orpo", "kto"} <= set(KNOBS)
     cases = objective_cases(False, Case, DENSE)

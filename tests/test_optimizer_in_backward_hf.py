@@ -19,8 +19,8 @@ import textwrap
 import pytest
 
 from vramplan import Setup, estimate, load_gpu, load_model
-from vramplan.cost import step_cost
-from vramplan.cost_counts import in_backward_overhead_s
+from vramplan.cost.counts import in_backward_overhead_s
+from vramplan.cost.model import step_cost
 from vramplan.emit import emit_to_dir
 from vramplan.emit.frameworks import framework_limits
 from vramplan.emit.trainer import script_plan, train_script

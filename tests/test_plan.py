@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 import vramplan
 from vramplan import Setup, estimate, load_gpu, load_model
-from vramplan.architecture import with_layers
 from vramplan.cli import main
-from vramplan.planfile import load_plan
+from vramplan.model.architecture import with_layers
+from vramplan.plans.planfile import load_plan
 from vramplan.search import ALLOCATOR_ALLOWANCE_BYTES, DEFAULT_ERROR_BAND, DEFAULT_MARGIN, batch_shape, tier
 from vramplan.search.rank import LIGER_MIN_GAIN, residency
 from vramplan.specs import GpuSpec, Plan, SpecError
@@ -383,7 +383,7 @@ def test_real_plans_match_the_plan_schema():
     referencing = pytest.importorskip("referencing")
     from pathlib import Path
 
-    from vramplan.planfile import plan_to_json
+    from vramplan.plans.planfile import plan_to_json
 
     root = Path(__file__).resolve().parents[1] / "docs" / "schema"
     schemas = {n: json.loads((root / f"{n}.schema.json").read_text()) for n in ("setup", "breakdown", "plan")}

@@ -15,10 +15,10 @@ import re
 import pytest
 
 import vramplan
-from vramplan import compat
 from vramplan.search import DEFAULT_MARGIN, parse_rank, residency, tier
+from vramplan.setup import compat
 from vramplan.specs import Plan, Setup, SpecError
-from vramplan.units import GiB
+from vramplan.util.units import GiB
 
 #: (model, gpu, plan keywords): what new users asked (issue 12's table, and two more common ones)
 QUESTIONS = [
@@ -154,7 +154,7 @@ def test_host_ram_comes_from_the_profile_or_what_is_given():
 
 
 def test_the_json_carries_the_kinds_and_the_host_ram():
-    from vramplan.planfile import plan_to_json
+    from vramplan.plans.planfile import plan_to_json
 
     data = plan_to_json(vramplan.plan("llama-3.1-8b", "rtx-4090"))
     assert data["host_ram"]["source"] in ("profile", "local") and data["host_ram"]["bytes"] > 0

@@ -20,7 +20,7 @@ from vramplan.search import residency, tier
 from vramplan.search.evaluate import HOST_RAM_SHARE
 from vramplan.search.rank import TIER_SLOWDOWN_MAX, pick_tier, placement
 from vramplan.specs import Plan
-from vramplan.units import GiB
+from vramplan.util.units import GiB
 
 MOE, RTX4090 = "qwen3-30b-a3b", "rtx-4090"
 #: the issue's GRPO example (tests/test_plan_objectives.py)
@@ -147,7 +147,7 @@ def test_a_model_below_deepspeeds_aio_size_swaps_nothing():
     """DeepSpeed swaps only tensors of MIN_AIO_BYTES (1 MiB) or more: the tiny truth model's states
     stay in host RAM under NVMe offload (what tests/test_zero.py measures where libaio is built)."""
     from vramplan.estimator.distributed import MIN_AIO_BYTES
-    from vramplan.run.tiny import TINY_SEQ, tiny_model
+    from vramplan.truths.tiny import TINY_SEQ, tiny_model
 
     model = tiny_model()
     assert 4 * model.params_total < MIN_AIO_BYTES

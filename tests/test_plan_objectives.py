@@ -1,5 +1,5 @@
 """`plan` for DPO/GRPO: the generation engine and vLLM's share of the card searched, DPO's reference
-searched, generation and the reference forward priced (vramplan/cost_objectives.py), and the chosen
+searched, generation and the reference forward priced (vramplan/cost/objectives.py), and the chosen
 split carried into the emitted TRL script. The issue's example: GRPO on Qwen2.5-7B, 8 generations of
 1024 tokens, one A100-80GB."""
 
@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main
-from vramplan.cost import step_cost as sft_step_cost
-from vramplan.cost_objectives import objective_cost, step_cost
+from vramplan.cost.model import step_cost as sft_step_cost
+from vramplan.cost.objectives import objective_cost, step_cost
 from vramplan.estimator.objectives import lengths, policy_setup
 from vramplan.estimator.vllm_share import kv_bytes_per_token, smallest_fraction, vllm_share
 from vramplan.search import plan
@@ -139,7 +139,7 @@ def test_cli_plan_speed_line_names_the_rows(tmp_path):
 
 def test_plan_to_emit_round_trips_generation_and_vllm_share(tmp_path):
     from vramplan.emit import emit_to_dir
-    from vramplan.planfile import load_plan, save_plan
+    from vramplan.plans.planfile import load_plan, save_plan
 
     p = plan(QWEN, A100, method="lora", generation="vllm-colocate", **ISSUE)
     path = save_plan(p, tmp_path / "plan.yaml")

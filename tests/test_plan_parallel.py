@@ -1,10 +1,10 @@
 """The plan searches hybrid sharding (HSDP) across nodes and TP x FSDP2 within one (issue 17), and
-the cost model prices their collectives over their own groups (vramplan/cost_parallel.py).
+the cost model prices their collectives over their own groups (vramplan/cost/parallel.py).
 
 Modelled as the pinned libraries run them: torch 2.13 (FSDP1 HYBRID_SHARD's intra/inter-node groups,
 FSDP2's ``(dp_replicate, dp_shard)`` mesh), accelerate 1.15 (ParallelismConfig), transformers 5.24
 (the ``("pp", "dp_replicate", "fsdp", "tp")`` mesh with tp innermost, load-time ``fully_shard``).
-Speeds are the first-order cost model's (vramplan.cost), not measured.
+Speeds are the first-order cost model's (vramplan.cost.model), not measured.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import yaml
 from click.testing import CliRunner
 
 import vramplan
-from vramplan import Setup, cost, estimate, load_gpu, load_model
+from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main
-from vramplan.cost_parallel import ShardGroup, shard_group, tp_nodes
+from vramplan.cost.model import model as cost
+from vramplan.cost.parallel import ShardGroup, shard_group, tp_nodes
 from vramplan.emit import render
 from vramplan.search.core import Search
 from vramplan.search.geometry import Target, batch_shape

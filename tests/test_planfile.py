@@ -5,7 +5,7 @@ import json
 import pytest
 
 from vramplan import Setup, SpecError, estimate, load_gpu, load_model
-from vramplan.planfile import load_plan, plan_to_json, save_plan
+from vramplan.plans.planfile import load_plan, plan_to_json, save_plan
 from vramplan.specs import GpuSpec, Plan, Rejected
 
 
@@ -73,7 +73,7 @@ def test_save_is_atomic_and_keeps_old_file_on_failure(tmp_path, monkeypatch):
     path = tmp_path / "plan.json"
     save_plan(_plan(), path)
     before = path.read_text()
-    import vramplan.fileio as fileio
+    import vramplan.util.fileio as fileio
 
     def boom(*a, **k):
         raise OSError("disk full")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vramplan import published as pub
+from vramplan.calibration import published as pub
 from vramplan.specs import Setup
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,6 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from vramplan.calibration.published import (
+    compare,
+    estimate_record,
+    load_records,
+    resolve_model,
+    step_intercepts,
+    token_slopes,
+)
 from vramplan.estimator import estimate
 from vramplan.estimator.distributed import StepActivations
 from vramplan.estimator.fsdp import fsdp_memory, fsdp_phase_peaks
@@ -16,10 +24,9 @@ from vramplan.estimator.stack import (
     moe_experts_4x_saving_bytes,
     stack_from_versions,
 )
-from vramplan.profiles import load_model
-from vramplan.published import compare, estimate_record, load_records, resolve_model, step_intercepts, token_slopes
+from vramplan.model.profiles import load_model
 from vramplan.specs import Setup
-from vramplan.units import bnb_4bit_tensor_bytes
+from vramplan.util.units import bnb_4bit_tensor_bytes
 
 MISTRAL = "mistralai/Mistral-7B-v0.1"
 
@@ -275,9 +282,9 @@ def test_the_issue_13_bars_hold_on_the_comparable_published_rows():
     3 % on <= 10 % of rows; on the 13 allocated rows and on all 26 (their nvidia-smi numbers too).
     Today: allocated median 0.2 %, p90 2.6 %, none under; all rows median 2.0 %, p90 9.9 %, 2 of 26
     under (the device totals of the two 2-GPU Mistral-7B full fine-tunes)."""
+    from vramplan.calibration.published import summarize
     from vramplan.estimator.corrections import calibration_for
-    from vramplan.profiles import load_gpu
-    from vramplan.published import summarize
+    from vramplan.model.profiles import load_gpu
 
     def estimator(r):
         return estimate_record(r, calibration_for(load_gpu(r["gpu"]))[0])

@@ -79,7 +79,7 @@ def test_no_gpu_and_no_calibration_say_so():
 
 
 def test_uncalibrated_reason_of_a_gpu_without_a_class(sm80_only):
-    from vramplan.inputs import resolve_gpu
+    from vramplan.setup.inputs import resolve_gpu
 
     why = uncalibrated_reason(resolve_gpu(None, "24GiB"), sm80_only)
     assert why == f"custom GPU (24.0 GiB) has no GPU class (compute capability) to pick a fit by; {sm80_only} fits sm80"

@@ -18,7 +18,7 @@ import zlib
 import pytest
 
 import vramplan
-from vramplan.report import html_report, memory_segments, terminal_bar, write_html
+from vramplan.plans.report import html_report, memory_segments, terminal_bar, write_html
 from vramplan.specs import GpuSpec
 
 GiB = 2**30

@@ -4,7 +4,7 @@ validate --json, measurement records (and measure --json), sweep --json and cali
 coefficients. A schema that drifts from the code (a new Setup field, a new output key) fails here,
 naming what to document.
 
-Measurement records are made by vramplan.measure.to_measurement from worker results of the shape
+Measurement records are made by vramplan.calibration.measure.to_measurement from worker results of the shape
 vramplan/run/worker.py returns (no run here: a real training step belongs to tests/test_measure.py);
 the failure and multi-rank results come from vramplan.run.launch's own functions."""
 
@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan import specs as S
 from vramplan.cli import main
-from vramplan.planfile import plan_to_json
+from vramplan.plans.planfile import plan_to_json
 from vramplan.specs import Alternative, Plan, Rejected
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -194,10 +194,10 @@ def _cpu_result(tensor_peak: int, rank: int = 0, world: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def measurements(tmp_path_factory):
-    """Measurements as `vramplan measure` makes them (vramplan.measure.to_measurement): four CUDA
+    """Measurements as `vramplan measure` makes them (vramplan.calibration.measure.to_measurement): four CUDA
     runs (one of a plan file on an emulated card), a CPU run, a CPU OOM, a timeout and two ranks."""
-    from vramplan import measure as m
-    from vramplan.planfile import load_plan, save_plan
+    from vramplan.calibration import measure as m
+    from vramplan.plans.planfile import load_plan, save_plan
     from vramplan.run.launch import _failure, merge_ranks
 
     tmp = tmp_path_factory.mktemp("measure")
@@ -237,7 +237,7 @@ def measurements(tmp_path_factory):
 
 
 def test_measurement_records_and_measure_json(validate, schemas, measurements, tmp_path):
-    from vramplan import measure as m
+    from vramplan.calibration import measure as m
 
     for meas in measurements:
         m.save(meas, tmp_path)
@@ -261,7 +261,7 @@ def test_measurement_records_and_measure_json(validate, schemas, measurements, t
 
 
 def test_calibrate_coefficients(validate, measurements, tmp_path):
-    from vramplan import measure as m
+    from vramplan.calibration import measure as m
 
     for meas in measurements:
         m.save(meas, tmp_path / "records")
@@ -283,7 +283,7 @@ def test_sweep_json_without_running(validate, measurements, tmp_path):
     """--dry-run, and a sweep whose budget starts no run (one run already recorded, one left)."""
     import dataclasses as dc
 
-    from vramplan import measure as m
+    from vramplan.calibration import measure as m
 
     matrix = tmp_path / "matrix.yaml"
     matrix.write_text("device: cpu\nsteps: 2\ndefaults: {seq: 128}\nruns:\n"

@@ -4,6 +4,7 @@ module's private names. A static walk of vramplan/'s imports (ast, nothing is im
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,83 @@ def test_private_detector(tmp_path, src, expect):
     tree = ast.parse(src)
     node = tree.body[0]
     assert any(a.name.startswith("_") for a in node.names) is expect
+
+
+# ----------------------------------------------------------------------------------------------
+# the layout: packages by stage of the flow (docs/architecture.md)
+
+MAX_LOOSE = 12
+
+#: What the modules loose in vramplan/ may import (the subpackages say it in their docstrings).
+LOOSE_MAY_IMPORT = {
+    "vramplan": {"estimator", "model", "search", "specs", "run"},  # the public API; run: trace, lazily
+    "vramplan.specs": {"util", "bands", "model", "setup"},  # the types hub: re-exports ModelSpec and Setup
+    "vramplan.bands": set(),
+    "vramplan.cli": {"commands"},
+    "vramplan.__main__": {"cli"},
+    "vramplan.pytest_plugin": {"util", "specs", "model", "setup", "estimator", "budget"},
+}
+
+
+def _unit(module: str) -> str:
+    """The package (or loose module) a module belongs to: vramplan.cost.model -> cost."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "vramplan"
+
+
+def _subpackages() -> list[Path]:
+    return sorted(p for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+
+
+def _declared(pkg: Path, units: set[str]) -> set[str]:
+    """The units a subpackage's docstring lets it import: its ``May import:`` paragraph, parenthesised
+    asides left out; ``every stage`` allows all."""
+    doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text(encoding="utf-8"))) or ""
+    at = doc.find("May import:")
+    assert at >= 0, f"{pkg.name}/__init__.py: its docstring has no 'May import:' line"
+    text = doc[at + len("May import:"):].split("\n\n")[0]
+    text = re.sub(r"\([^)]*\)", " ", text)
+    if "every stage" in text:
+        return set(units)
+    return {w for w in re.findall(r"[a-z_]+", text) if w in units}
+
+
+def test_at_most_twelve_modules_loose():
+    loose = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE, f"{len(loose)} modules loose in vramplan/: {loose}"
+    assert {"vramplan." + p[:-3] if p != "__init__.py" else "vramplan" for p in loose} == set(LOOSE_MAY_IMPORT)
+
+
+def test_every_subpackage_says_its_role_and_what_it_may_import():
+    for pkg in _subpackages():
+        if pkg.name == "profile_data":
+            continue
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and len(doc.split()) >= 20, f"{pkg.name}/__init__.py opens with no role docstring"
+        assert "May import:" in doc, f"{pkg.name}/__init__.py: no 'May import:' line"
+
+
+def _layer_violations(graph) -> list[str]:
+    units = {p.name for p in _subpackages()} | {_unit(m) for m in LOOSE_MAY_IMPORT}
+    allowed = {_unit(m): set(v) for m, v in LOOSE_MAY_IMPORT.items()}
+    allowed.update({p.name: _declared(p, units) for p in _subpackages() if p.name != "profile_data"})
+    bad = []
+    for src, dsts in graph.items():
+        for dst in dsts:
+            a, b = _unit(src), _unit(dst)
+            if a != b and b not in allowed.get(a, set()):
+                may = ", ".join(sorted(allowed.get(a, ()))) or "nothing"
+                bad.append(f"{src} imports {dst} ({a} may import: {may})")
+    return sorted(bad)
+
+
+def test_each_package_imports_only_what_its_docstring_allows():
+    bad = _layer_violations(_graph(_modules()))
+    assert bad == [], "imports across the layout's seams:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_sees_a_planted_violation():
+    graph = _graph(_modules())
+    planted = {k: set(v) for k, v in graph.items()}
+    planted["vramplan.util.units"].add("vramplan.estimator.step")  # the bottom layer reaching up
+    assert any(v.startswith("vramplan.util.units imports vramplan.estimator.step") for v in _layer_violations(planted))

@@ -15,10 +15,10 @@ from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
-from vramplan.architecture import with_layers
 from vramplan.cli import main
-from vramplan.cost import recompute_flops_per_token
+from vramplan.cost.model import recompute_flops_per_token
 from vramplan.estimator.selective import checkpointed_count, is_checkpointed
+from vramplan.model.architecture import with_layers
 from vramplan.specs import SpecError
 
 LLAMA = "meta-llama/Llama-3.2-1B"
@@ -105,7 +105,7 @@ def test_the_trace_checkpoints_only_every_kth_layer():
 
 
 def test_validate_knob_has_cases():
-    from vramplan.validate import KNOBS, matrix
+    from vramplan.validate.matrix import KNOBS, matrix
 
     assert "selective_checkpointing" in KNOBS
     quick = [c for c in matrix(quick=True) if c.knob == "selective_checkpointing"]

@@ -1,5 +1,5 @@
 """Tensor parallelism (``--tp N``): one rank's shard of the model (estimator/tensor_parallel.py)
-against transformers 5.24's own DTensor plan run on N gloo ranks (vramplan/run/tp_truth.py), the
+against transformers 5.24's own DTensor plan run on N gloo ranks (vramplan/truths/tp_truth.py), the
 refusals, the per-rank numbers of uneven shards, the cost model's all-reduces and the plan."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main as cli
-from vramplan.cost import step_cost
+from vramplan.cost.model import step_cost
 from vramplan.estimator.optimizers import trainable_tensors
 from vramplan.estimator.tensor_parallel import (
     COLWISE,
@@ -79,7 +79,7 @@ def test_optimizer_groups_cover_the_trainable_parameters():
 
 
 def test_uneven_shards_report_each_rank():
-    from vramplan.run.tiny import TINY_SHAPE, tiny_config, tiny_model
+    from vramplan.truths.tiny import TINY_SHAPE, tiny_config, tiny_model
 
     model = tiny_model(tiny_config(shape={**TINY_SHAPE, "vocab_size": 511, "intermediate_size": 129}))
     b = estimate(model, Setup(seq=64, tp=2, gpus=2))
@@ -152,8 +152,8 @@ def test_plan_picks_tp_only_where_data_parallelism_does_not_fit():
 
 
 def test_truth_two_ranks_within_5_percent():
-    from vramplan.run.tiny import TINY_SEQ
-    from vramplan.run.tp_truth import COLWISE_TARGETS, compare_setups
+    from vramplan.truths.tiny import TINY_SEQ
+    from vramplan.truths.tp_truth import COLWISE_TARGETS, compare_setups
 
     setups = [Setup(tp=2, gpus=2, seq=TINY_SEQ), Setup(tp=2, gpus=2, seq=TINY_SEQ, method="lora",
                                                          lora_targets=COLWISE_TARGETS, checkpointing=True)]
@@ -166,7 +166,7 @@ def test_truth_two_ranks_within_5_percent():
 
 @pytest.mark.slow
 def test_truth_matrix_within_5_percent():
-    from vramplan.run.tp_truth import TP_UNVERIFIED, tp_rows
+    from vramplan.truths.tp_truth import TP_UNVERIFIED, tp_rows
 
     rows = [r for r in tp_rows(quick=False) if r.why not in {why for _, why in TP_UNVERIFIED}]  # the refused
     assert rows and all(r.verified for r in rows), [r.why for r in rows if not r.verified]

@@ -1,6 +1,6 @@
 """Published throughput records (calibration/throughput/) and the comparison arithmetic of
-vramplan.throughput, the refit (vramplan.cost_fit) and `vramplan validate --throughput`. The accuracy bar
-itself is guarded in tests/test_cost.py and printed by benchmarks/throughput_accuracy.py."""
+vramplan.cost.throughput, the refit (vramplan.cost.fit) and `vramplan validate --throughput`. The accuracy
+bar itself is guarded in tests/test_cost.py and printed by benchmarks/throughput_accuracy.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from vramplan import estimate
-from vramplan.profiles import load_gpu, load_model
-from vramplan.specs import Setup
-from vramplan.throughput import (
+from vramplan.cost.throughput import (
     RECORDS_PATH,
     ThroughputRow,
     comparable,
@@ -23,6 +21,8 @@ from vramplan.throughput import (
     record_setup,
     summarize,
 )
+from vramplan.model.profiles import load_gpu, load_model
+from vramplan.specs import Setup
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "calibration" / "throughput" / "build.py"
@@ -115,7 +115,8 @@ def test_compare_predicts_every_comparable_row(records):
 
 
 def test_cost_fit_refits_and_predicts(records):
-    from vramplan import cost, cost_fit
+    from vramplan.cost.model import fit as cost_fit
+    from vramplan.cost.model import model as cost
 
     fit = cost_fit.fit(records)
     assert set(fit.constants) == set(cost.CONSTANTS)
@@ -129,7 +130,7 @@ def test_cost_fit_refits_and_predicts(records):
 
 
 def test_normal_equations_solve_a_known_system():
-    from vramplan.cost_fit import _solve
+    from vramplan.cost.fit import _solve
 
     a = [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]
     x = (3.0, -1.0)

@@ -1,6 +1,6 @@
 """Tensor parallelism beside FSDP2 sharding (``--tp 2 --fsdp full_shard --fsdp-version 2 --gpus 4``):
 refusals, the per-rank estimate (estimator/tp_fsdp2.py), the 4-rank gloo truth
-(vramplan/run/tp_fsdp2.py) and the emitted accelerate config / train.py."""
+(vramplan/truths/tp_fsdp2.py) and the emitted accelerate config / train.py."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def test_accumulation_holds_the_gradient_shards_not_unsharded_gradients():
     """--grad-accum 2 beside TP (accelerate 1.15's no_sync is a no-op for transformers' FSDP2 model:
     every micro-batch reduce-scatters): the forward and backward peaks hold the gradient shards and a
     tied embedding's second gradient, the optimizer's is unchanged (read off the 4-rank run: +69 952
-    bytes on the tiny Llama-3.2, vramplan/run/tp_fsdp2.py; validate --knob tp has the row)."""
-    from vramplan.run.tiny import TINY_SEQ, tiny_model
+    bytes on the tiny Llama-3.2, vramplan/truths/tp_fsdp2.py; validate --knob tp has the row)."""
+    from vramplan.truths.tiny import TINY_SEQ, tiny_model
 
     model = tiny_model()
     one, two = (estimate(model, Setup(**TPF, seq=TINY_SEQ, grad_accum=g)) for g in (1, 2))
@@ -154,7 +154,7 @@ def test_accelerate_parallelism_config_matches_the_mesh():
 
 @pytest.mark.slow
 def test_truth_four_ranks_within_5_percent():
-    from vramplan.run.tp_fsdp2 import TP_FSDP2_MATRIX, _setups, compare_setups
+    from vramplan.truths.tp_fsdp2 import TP_FSDP2_MATRIX, _setups, compare_setups
 
     for run, est in compare_setups(_setups(TP_FSDP2_MATRIX[:2])):
         assert len(run.ranks) == 4
@@ -169,7 +169,7 @@ def test_truth_four_ranks_within_5_percent():
 
 @pytest.mark.slow
 def test_truth_matrix_within_5_percent():
-    from vramplan.run.tp_fsdp2 import tp_fsdp2_rows
+    from vramplan.truths.tp_fsdp2 import tp_fsdp2_rows
 
     rows = tp_fsdp2_rows(quick=False)
     verified = [r for r in rows if r.verified]

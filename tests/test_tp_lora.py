@@ -1,4 +1,4 @@
-"""LoRA under tensor parallelism, run on real gloo ranks (vramplan/run/tp_lora.py: transformers 5.24's
+"""LoRA under tensor parallelism, run on real gloo ranks (vramplan/truths/tp_lora.py: transformers 5.24's
 DTensor TP load, peft 0.21's get_peft_model on it, one fp32 step against an unsharded LoRA step of
 the same checkpoint).
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 
 from vramplan import Setup, estimate
-from vramplan.run.tiny import TINY_SEQ, tiny_config, tiny_model
-from vramplan.run.tp_lora import probe_tp_lora
-from vramplan.run.tp_truth import COLWISE_TARGETS
 from vramplan.specs import SpecError
+from vramplan.truths.tiny import TINY_SEQ, tiny_config, tiny_model
+from vramplan.truths.tp_lora import probe_tp_lora
+from vramplan.truths.tp_truth import COLWISE_TARGETS
 
 LORA = {"method": "lora", "seq": TINY_SEQ}
 COLWISE = Setup(tp=2, gpus=2, lora_targets=COLWISE_TARGETS, **LORA)

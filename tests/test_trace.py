@@ -2,8 +2,8 @@
 
 import pytest
 
-from vramplan.architecture import with_layers
-from vramplan.profiles import load_model
+from vramplan.model.architecture import with_layers
+from vramplan.model.profiles import load_model
 from vramplan.run.tracer import NotTraceable, trace, trace_numbers
 from vramplan.specs import Setup, SpecError
 

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main
-from vramplan.errors import SpecError
 from vramplan.estimator.stack import Stack
+from vramplan.util.errors import SpecError
 
 MODEL = "llama-3.1-8b"
 BASE = Setup(method="lora", precision="bf16", seq=2048, batch=2)
@@ -75,8 +75,8 @@ def test_cli_loss_trl():
 
 def test_trl_sft_trainer_cpu_truth_within_5_percent():
     pytest.importorskip("trl")
-    from vramplan.validate import DENSE, Case
-    from vramplan.validate_objectives import objective_rows, trl_loss_cases
+    from vramplan.validate.matrix import DENSE, Case
+    from vramplan.validate.objectives import objective_rows, trl_loss_cases
 
     [case] = trl_loss_cases(True, Case, DENSE)
     assert case.setup.loss == "trl" and case.truth == "trl-cpu"
@@ -154,7 +154,7 @@ def test_emitted_train_script_runs_trls_fused_head(tmp_path):
 def test_measure_compares_a_cpu_run_with_the_cpu_code_path():
     """`vramplan measure --device cpu` of a loss-trl plan compares with the estimate of the path the
     run takes there (TRL's torch fold of fp32 tiles), a CUDA run with the Triton path's."""
-    from vramplan.measure import _estimate_json
+    from vramplan.calibration.measure import _estimate_json
     from vramplan.specs import Plan
 
     model = load_model("meta-llama/Llama-3.2-1B")

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vramplan.accuracy import FAMILY_MODELS
-from vramplan.architecture import model_spec_from_config
 from vramplan.estimator import estimate
-from vramplan.profiles import load_model
+from vramplan.model.architecture import model_spec_from_config
+from vramplan.model.profiles import load_model
 from vramplan.run.tracer import trace
 from vramplan.specs import Setup
+from vramplan.validate.accuracy import FAMILY_MODELS
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from vramplan.cli import main
-from vramplan.validate import KNOBS, matrix, summarize, unverified_rows
+from vramplan.validate.matrix import KNOBS, matrix, summarize, unverified_rows
 
 pytest.importorskip("torch")
 pytest.importorskip("bitsandbytes")
@@ -33,8 +33,9 @@ def test_quick_matrix_holds_the_bar(quick_json):
     rows = [r for r in quick_json["rows"] if r["verified"]]
     # trl-*: dpo, grpo; placement: device_map's real transformers placement on the meta device;
     # tp-2 / fsdp2-2: transformers' tp_plan and accelerate's fully_shard on 2 gloo ranks; tp-fsdp2-4: both
-    # at once, transformers' tp x fully_shard on 4 (vramplan/run/tp_fsdp2.py); hsdp2-4: FSDP2 hybrid sharding as
-    # 2 x 2 (vramplan/run/hsdp_truth.py); cp-2: accelerate's FSDP2 + context parallelism, torch's ring (run/cp_truth.py)
+    # at once, transformers' tp x fully_shard on 4 (vramplan/truths/tp_fsdp2.py); hsdp2-4: FSDP2 hybrid sharding as
+    # 2 x 2 (vramplan/truths/hsdp_truth.py); cp-2: accelerate's FSDP2 + context parallelism, torch's ring
+    # (truths/cp_truth.py)
     assert {r["truth"] for r in rows} == {"trace", "cpu-run", "trl-trace", "trl-cpu", "placement", "tp-2", "fsdp2-2",
                                           "tp-fsdp2-4", "hsdp2-4", "cp-2"}
     bad = [(r["knob"], r["setup_text"], r["quantity"], r["error"]) for r in rows if abs(r["error"]) > 0.05]
@@ -66,8 +67,8 @@ def test_default_matrix_covers_every_knob_on_three_families():
 
 
 def test_summary_median_and_worst():
-    from vramplan.accuracy import Row
     from vramplan.specs import Setup
+    from vramplan.validate.accuracy import Row
 
     rows = [Row("m", "f", Setup(), 100, e, "backward", "backward", knob="optimizer") for e in (101, 97, 102)]
     rows.append(Row("m", "f", Setup(), 100, 150, "-", "-", knob="optimizer", quantity="weights_bytes"))
@@ -77,7 +78,7 @@ def test_summary_median_and_worst():
 
 def test_distributed_knobs_without_rows_are_listed(monkeypatch):
     """A distributed truth that returns no FSDP rows leaves FSDP listed as not verified, why given."""
-    from vramplan.run import distributed, fsdp
+    from vramplan.truths import distributed, fsdp
 
     monkeypatch.setattr(distributed, "zero_rows", lambda quick: [], raising=False)
     monkeypatch.setattr(fsdp, "fsdp_rows", lambda quick: [])
@@ -88,7 +89,7 @@ def test_distributed_knobs_without_rows_are_listed(monkeypatch):
 def test_a_distributed_launch_that_fails_becomes_unverified_rows(monkeypatch):
     """One crashed or timed-out N-process launch (here: every one) turns its setups into
     unverified rows naming the failure, instead of a traceback that loses the whole table."""
-    from vramplan.run import distributed, fsdp
+    from vramplan.truths import distributed, fsdp
 
     def fail(setups, world, base=None):
         raise RuntimeError("DeepSpeed workers did not finish within 600 s\n--- rank 0: ...")
@@ -110,7 +111,7 @@ def test_unknown_knob_is_a_one_line_error():
 
 
 def test_command_module_does_not_import_torch():
-    code = ("import sys, vramplan.cli, vramplan.commands.validate, vramplan.validate; "
+    code = ("import sys, vramplan.cli, vramplan.commands.validate, vramplan.validate.matrix; "
             "heavy = [m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules]; "
             "assert not heavy, heavy")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
@@ -119,9 +120,9 @@ def test_command_module_does_not_import_torch():
 
 def test_measured_column_reads_the_records(tmp_path):
     from vramplan import estimate, load_gpu, load_model
-    from vramplan.measure import Measurement, save
+    from vramplan.calibration.measure import Measurement, save
     from vramplan.specs import Setup
-    from vramplan.validate import measured_rows
+    from vramplan.validate.matrix import measured_rows
 
     empty = measured_rows(tmp_path / "none")
     assert len(empty) == 1 and not empty[0].verified and "vramplan measure" in empty[0].why

@@ -17,7 +17,7 @@ from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
 from vramplan.cli import main
-from vramplan.fileio import atomic_write_text, clean_stale, make_temp_dir, write_files
+from vramplan.util.fileio import atomic_write_text, clean_stale, make_temp_dir, write_files
 
 _WRITER = """
 import sys, time
@@ -168,7 +168,7 @@ def test_a_worker_dies_with_its_killed_launcher(tmp_path):
 def test_sweep_temp_dirs_are_pid_named_and_dead_ones_are_removed(tmp_path, monkeypatch):
     import tempfile
 
-    from vramplan import sweep
+    from vramplan.calibration import sweep
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     stale = tmp_path / "vramplan-scaled-999999999-abcd"

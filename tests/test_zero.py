@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO: the per-rank estimate against the real engine run with N processes.
 
-The truth (vramplan/run/distributed.py; its ranks run vramplan/run/zero_worker.py) launches N CPU
+The truth (vramplan/truths/distributed.py; its ranks run vramplan/truths/zero_worker.py) launches N CPU
 processes (DeepSpeed's CPU accelerator, gloo) on a tiny Llama with random weights, runs the canonical step twice
 and counts each rank's live tensors, the offloaded (host) ones apart. One launch per world size runs every setup, so the
 whole module costs four launches (two on the tiny Llama, one on a tiny Qwen3-MoE, one on a tiny
@@ -13,13 +13,13 @@ import pytest
 
 from vramplan.estimator import estimate
 from vramplan.estimator.distributed import zero_config, zero_memory
-from vramplan.profiles import load_model
+from vramplan.model.profiles import load_model
 from vramplan.specs import Setup
 
 pytest.importorskip("deepspeed")
 
-from vramplan.run.distributed import compare_setups, ds_config, nvme_available
-from vramplan.run.tiny import MOE_BASES, TINY_BASE, TINY_SEQ, tiny_model
+from vramplan.truths.distributed import compare_setups, ds_config, nvme_available
+from vramplan.truths.tiny import MOE_BASES, TINY_BASE, TINY_SEQ, tiny_model
 
 TOLERANCE = 0.10  # the issue's bar for ZeRO, per rank
 
@@ -197,7 +197,7 @@ def test_stage3_fetches_a_leaf_moe_block_whole_and_holds_it_twice():
     router is persistent) and under LoRA fp32[54272] (every ParamWrapper factor but the router's
     4 x 16 B). Nothing on one rank, at stage 2, or for an MoE family DeepSpeed does not list."""
     from vramplan.estimator.distributed import moe_leaf_fetch
-    from vramplan.run.tiny import tiny_config
+    from vramplan.truths.tiny import tiny_config
 
     mixtral = tiny_model(tiny_config(WIDE_MOE), WIDE_MOE)
     assert moe_leaf_fetch(mixtral, Setup(zero_stage=3, gpus=2)) == 2 * 98304

@@ -29,7 +29,7 @@ if (_os.path.basename(_sys.argv[0] if _sys.argv else "") in ("vramplan", "__main
     _signal.signal(_signal.SIGINT, _interrupted_at_startup)
 
 from .estimator import estimate  # noqa: E402
-from .profiles import load_gpu, load_model  # noqa: E402
+from .model.profiles import load_gpu, load_model  # noqa: E402
 from .search import plan  # noqa: E402
 from .specs import Breakdown, GpuSpec, ModelSpec, Plan, Setup, SpecError  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Error bands and calibration provenance of a Breakdown (issue 13): frozen dataclasses, no logic
-beyond (de)serialisation. :mod:`vramplan.calibrate` computes the bands from residuals;
+beyond (de)serialisation. :mod:`vramplan.calibration.calibrate` computes the bands from residuals;
 :mod:`vramplan.estimator.corrections` reads them back with the coefficients."""
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _gpu(gpu: Any):
     """A GpuSpec from a shipped name, a size string (``"24GiB"``), a byte count or a GpuSpec."""
-    from .inputs import resolve_gpu
+    from .setup.inputs import resolve_gpu
 
     size = isinstance(gpu, int) or (isinstance(gpu, str) and gpu[:1].isdigit())
     return resolve_gpu(None, gpu, where="gpu") if size else resolve_gpu(gpu, None, where="gpu")
@@ -83,8 +83,8 @@ class Vram:
     def estimate(self, model, setup=None, gpu=None, **setup_keys):
         """The analytic Breakdown of ``setup`` (or ``setup_keys``) on ``model`` and ``gpu``."""
         from .estimator import estimate
-        from .inputs import setup_from_mapping
-        from .profiles import load_model
+        from .model.profiles import load_model
+        from .setup.inputs import setup_from_mapping
         from .specs import ModelSpec, Setup
 
         if isinstance(setup, Setup):
@@ -121,7 +121,7 @@ class Vram:
             current_versions,
             parse_tolerance,
         )
-        from .fileio import atomic_write_text
+        from .util.fileio import atomic_write_text
 
         tol = parse_tolerance(tolerance)
         path = self.golden_path(name)
@@ -148,7 +148,7 @@ class Vram:
 
 def fit_message(bd) -> str:
     """Why a Breakdown does not fit its GPU, with its components."""
-    from .wording import describe
+    from .setup.wording import describe
 
     return (f"{bd.model} ({describe(bd.setup)}) does not fit on {bd.gpu.name}: needs "
             f"{bd.device_total_bytes / 1024**3:,.2f} GiB, {bd.gpu.usable_memory_bytes / 1024**3:,.2f} GiB usable "
@@ -159,7 +159,7 @@ def _budget(item: pytest.Item):
     marker = item.get_closest_marker("vram_budget")
     if marker is None:
         return None
-    from .inputs import resolve_gpu
+    from .setup.inputs import resolve_gpu
 
     kwargs = dict(marker.kwargs)
     if marker.args:

@@ -1,9 +1,9 @@
 """Frozen dataclasses that flow between the stages: ModelSpec, GpuSpec, Setup, Breakdown.
 
 The model's own classes (ModelSpec, LinearSpec, MoeSpec, FamilyTraits) live in
-``vramplan.modelspec`` and are re-exported here.
+``vramplan.model.modelspec`` and are re-exported here.
 
-Setup lives in ``vramplan.setup_spec`` and SpecError in ``vramplan.errors``; both are re-exported
+Setup lives in ``vramplan.setup.spec`` and SpecError in ``vramplan.util.errors``; both are re-exported
 here. Every field carries its unit in its name where it has one (``*_bytes``, ``*_tflops``).
 Validation lives in ``__post_init__`` and raises :class:`SpecError` with a message a user can act on.
 """
@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, final
 
 from .bands import CalibrationInfo, ErrorBands
-from .errors import SpecError
-from .modelspec import (
+from .model.modelspec import (
     FamilyTraits,
     LinearSpec,
     MlaDims,
@@ -23,7 +22,7 @@ from .modelspec import (
     MoeSpec,
     truncate_config,
 )
-from .setup_spec import (
+from .setup.spec import (
     ATTENTIONS,
     DEVICE_MAPS,
     FSDP_MODES,
@@ -41,7 +40,8 @@ from .setup_spec import (
     REF_MODELS,
     Setup,
 )
-from .units import GiB
+from .util.errors import SpecError
+from .util.units import GiB
 
 __all__ = [
     "ATTENTIONS", "DEVICE_MAPS", "FSDP_MODES", "GENERATIONS", "LOSSES", "METHODS", "OBJECTIVES", "OFFLOADS",
@@ -285,7 +285,7 @@ class Alternative:
 @dataclass(frozen=True)
 class Plan:
     """A Setup chosen for a model on a GPU: its Breakdown, estimated speed, the alternatives and the
-    rejected options. The plan file (``vramplan.planfile``) is this object as JSON/YAML; ``emit``,
+    rejected options. The plan file (``vramplan.plans.planfile``) is this object as JSON/YAML; ``emit``,
     ``measure`` and ``check`` read it.
 
     ``model`` is the reference ``load_model`` resolves (HF id, alias, or a config path).

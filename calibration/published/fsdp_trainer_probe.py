@@ -1,7 +1,7 @@
 """Probe for the FSDP per-token gap of the fms-acceleration rows (README.md, "What the rows show"):
 one LoRA step through the HF Trainer exactly as fms-hf-tuning runs it (transformers 4.48.1,
 accelerate 1.0.1, peft 0.13.2: the rows' stack), under FSDP1 on 2 ranks or in one process, with
-the live-tensor counter (vramplan/run/fsdp.py's ResizingCounter) per phase of the second step.
+the live-tensor counter (vramplan/truths/fsdp.py's ResizingCounter) per phase of the second step.
 
 Not part of the package or the tests: it needs a venv with the rows' stack, e.g.
 
@@ -18,7 +18,7 @@ else transformers 4.48.1's default, reentrant), LAYERS=1 (the live bytes at each
 recomputed forward: reentrant checkpointing only). Vocab 32000 (Mistral's) by default, so the
 logits dominate.
 On the CPU, accelerate's state is MULTI_CPU; it is switched to FSDP with an env-built FullyShardedDataParallelPlugin as
-vramplan/run/fsdp.py does (the Trainer then applies peft's fsdp_auto_wrap_policy itself). On a
+vramplan/truths/fsdp.py does (the Trainer then applies peft's fsdp_auto_wrap_policy itself). On a
 CUDA machine with 2 GPUs nothing is switched: `accelerate launch` with fms-acceleration's
 scripts/benchmarks/accelerate.yaml is the real thing, and the counter can be replaced by
 torch.cuda.max_memory_allocated. Prints one JSON line per rank."""
@@ -46,7 +46,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from vramplan.run.fsdp import ResizingCounter  # noqa: E402
+from vramplan.truths.fsdp import ResizingCounter  # noqa: E402
 
 warnings.filterwarnings("ignore")
 CPU = not torch.cuda.is_available()

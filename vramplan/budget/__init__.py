@@ -12,7 +12,7 @@ A *check* is one model, one setup and one GPU budget, read from a checks file or
         must_fit: true           # default true: fail when device_total_bytes > the GPU's usable memory
         tolerance: 2%            # optional; growth beyond it against the baseline fails
 
-A plan file (``vramplan_plan: 1``, see :mod:`vramplan.planfile`) is one check named after the file,
+A plan file (``vramplan_plan: 1``, see :mod:`vramplan.plans.planfile`) is one check named after the file,
 ``must_fit: true``. Each check is estimated (or traced), judged against its GPU, and compared with
 the *baseline* (``vram-baseline.json``): the four headline numbers and every component's bytes as
 last recorded, with the versions they were recorded under (vramplan, its estimator's
@@ -27,7 +27,9 @@ The stages, one module each:
 - :mod:`~vramplan.budget.output`: JSON, GitHub annotations, the Markdown summary.
 
 Everything here is pure (no printing, no torch on the analytic tier); ``vramplan/commands/check.py``
-prints, and writes the baseline through :mod:`vramplan.fileio`.
+prints, and writes the baseline through :mod:`vramplan.util.fileio`.
+
+May import: util, specs, model, setup, estimator, plans, readers; run lazily (``--tier trace``).
 """
 
 from __future__ import annotations

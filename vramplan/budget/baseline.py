@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_write_text
-from ..inputs import loads_json, read_text
+from ..setup.inputs import loads_json, read_text
 from ..specs import Breakdown, SpecError
-from ..versions import BASELINE_LIBRARIES, library_versions
+from ..util.fileio import atomic_write_text
+from ..util.versions import BASELINE_LIBRARIES, library_versions
 
 BASELINE_FORMAT = 1
 HEADLINE = ("tensor_peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes")

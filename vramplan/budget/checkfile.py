@@ -1,5 +1,5 @@
 """Checks files and plan files -> :class:`CheckSpec`: the ``vramplan check`` inputs, read
-through :mod:`vramplan.inputs` (size, depth and alias limits; YAML nodes kept for line numbers)."""
+through :mod:`vramplan.setup.inputs` (size, depth and alias limits; YAML nodes kept for line numbers)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..inputs import compose_yaml, construct_yaml, loads_json, read_text, resolve_gpu, setup_from_mapping
+from ..setup.inputs import compose_yaml, construct_yaml, loads_json, read_text, resolve_gpu, setup_from_mapping
 from ..specs import GpuSpec, Setup, SpecError
 
 CHECK_KEYS = ("name", "model", "from", "format", "gpu", "gpu_memory", "setup", "must_fit", "tolerance")
@@ -170,7 +170,7 @@ def _from_config(entry: dict, path: Path, where: str) -> tuple[str, str | None, 
 
 
 def _check_from_plan(path: Path) -> CheckSpec:
-    from ..planfile import read_plan_data
+    from ..plans.planfile import read_plan_data
 
     data = read_plan_data(path)  # the plan file's own shape checks and messages
     gpu_entry = data.get("gpu")

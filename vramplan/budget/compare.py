@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..specs import Breakdown, Setup
-from ..units import fmt_bytes
-from ..versions import BASELINE_LIBRARIES
+from ..util.units import fmt_bytes
+from ..util.versions import BASELINE_LIBRARIES
 from .baseline import HEADLINE, Record
 from .checkfile import CheckSpec
 
@@ -54,7 +54,7 @@ class CheckResult:
     status: str
     reasons: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = ()  # from vramplan.setup_checks.check (setup vs model)
+    warnings: tuple[str, ...] = ()  # from vramplan.setup.checks.check (setup vs model)
     drift: tuple[str, ...] = ()
     numbers: tuple[Delta, ...] = ()  # headline numbers vs the baseline (empty without one)
     components: tuple[Delta, ...] = ()  # components that changed, largest change first

@@ -4,7 +4,7 @@ pytest plugin. Strings only: the CLI prints them."""
 
 from __future__ import annotations
 
-from ..units import fmt_bytes
+from ..util.units import fmt_bytes
 from .baseline import HEADLINE
 from .compare import CheckResult, signed_gib
 from .runner import CheckRun

@@ -21,8 +21,8 @@ def measure(spec: CheckSpec, tier: str = "analytic",
     (the command passes the calibrated ones; None: the published defaults). The traced tier adds
     the published device terms (its own). Errors name the check."""
     from ..estimator import estimate
-    from ..profiles import load_model
-    from ..setup_checks import check
+    from ..model.profiles import load_model
+    from ..setup.checks import check
 
     if tier not in TIERS:
         raise SpecError(f"tier must be one of {', '.join(TIERS)}; got {tier!r}")

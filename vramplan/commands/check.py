@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from ..units import gib
+from ..util.units import gib
 from .options import calibration_options, corrections_for, print_json, quiet_libraries, user_errors, warn
 
 
@@ -100,7 +100,7 @@ def _report(run, fmt: str, updated: bool, summary_path: str | None) -> None:
 
 def _append(path: str, text: str) -> None:
     """Append to the step summary through an atomic rewrite (other steps append to it too)."""
-    from ..fileio import atomic_write_text
+    from ..util.fileio import atomic_write_text
 
     try:
         old = Path(path).read_text(encoding="utf-8")

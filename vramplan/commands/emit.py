@@ -31,7 +31,7 @@ def emit(plan_file: str, formats: str | None, out_dir: str, force: bool) -> None
     the DeepSpeed JSON / accelerate YAML it names); a setup it cannot express is refused.
     """
     from ..emit import emit_to_dir, parse_formats, run_command
-    from ..planfile import load_plan
+    from ..plans.planfile import load_plan
 
     plan = load_plan(plan_file)
     chosen = parse_formats(formats) if formats is not None else None

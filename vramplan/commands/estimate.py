@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import click
 
+from ..setup.wording import describe, params
 from ..specs import Setup, SpecError
-from ..units import gib
-from ..wording import describe, params
+from ..util.units import gib
 from .from_config import config_options, is_config_file, setup_from_config
 from .options import calibration_options, corrections_for, gpu_options, print_json, setup_options, user_errors, warn
 
@@ -32,8 +32,8 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
     HF TrainingArguments, accelerate, DeepSpeed: docs/formats/); setup flags given override it."""
     from ..estimator import estimate as run_estimate
     from ..estimator.corrections import uncalibrated_reason
-    from ..inputs import resolve_gpu
-    from ..profiles import load_model
+    from ..model.profiles import load_model
+    from ..setup.inputs import resolve_gpu
 
     if is_config_file(model, config_format):
         model, setup = setup_from_config(model, config_format, model_override, setup, accelerate_file)

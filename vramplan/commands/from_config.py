@@ -80,8 +80,8 @@ def as_written_json(read, source, bd) -> dict:
 
 def print_as_written(read, source, bd) -> None:
     """One line: the file's setup as written and whether it fits the GPU."""
-    from ..units import gib
-    from ..wording import describe
+    from ..setup.wording import describe
+    from ..util.units import gib
 
     usable = bd.gpu.usable_memory_bytes
     verdict = (f"fits ({gib(bd.headroom_bytes)} GiB headroom)" if bd.fits
@@ -92,7 +92,7 @@ def print_as_written(read, source, bd) -> None:
 
 def _shown(value) -> str:
     if isinstance(value, tuple):  # --max-memory's caps, as the flag takes them
-        from ..max_memory import caps_text
+        from ..setup.max_memory import caps_text
 
         return caps_text(value) if value else "none"
     return "on" if value is True else "off" if value is False else str(value)
@@ -122,8 +122,8 @@ def is_config_file(name: str, config_format: str | None) -> bool:
         return True
     if name.lower().endswith((".sh", ".bash", ".txt", ".cmd")):  # a `trl sft ...` command line (readers.trl_args)
         return True
-    from ..inputs import load_structured
     from ..readers import detect
+    from ..setup.inputs import load_structured
 
     try:
         return detect(load_structured(name, "training config")) is not None

@@ -6,7 +6,7 @@ import dataclasses
 
 import click
 
-from ..units import gib
+from ..util.units import gib
 from .options import print_json, user_errors
 
 
@@ -15,7 +15,7 @@ from .options import print_json, user_errors
 @user_errors
 def gpus(as_json: bool) -> None:
     """The shipped GPU profiles: usable memory, bf16 support, speed."""
-    from ..profiles import gpus as shipped_gpus
+    from ..model.profiles import gpus as shipped_gpus
 
     specs = sorted(shipped_gpus(), key=lambda g: (g.usable_memory_bytes, g.name))
     if as_json:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import click
 
+from ..setup.wording import describe
 from ..specs import SpecError
-from ..units import fmt_bytes
-from ..wording import describe
+from ..util.units import fmt_bytes
 from .options import (
     FLAG,
     SETUP_FIELDS,
@@ -51,7 +51,7 @@ def _given_setup_flags() -> list[str]:
 
 
 def _parse_size(text: str | None, flag: str) -> int | None:
-    from ..units import parse_bytes
+    from ..util.units import parse_bytes
 
     if text is None:
         return None
@@ -91,7 +91,7 @@ def print_measurement(m) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..measure import comparison, cpu_comparable
+    from ..calibration.measure import comparison, cpu_comparable
 
     console = Console()
     where = m.provenance.get("gpu_name") or m.device
@@ -153,11 +153,11 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
     """
     import dataclasses
 
-    from .. import measure as m
+    from ..calibration import measure as m
     from ..estimator import estimate
-    from ..inputs import resolve_gpu
-    from ..planfile import load_plan
-    from ..profiles import load_gpu, load_model
+    from ..model.profiles import load_gpu, load_model
+    from ..plans.planfile import load_plan
+    from ..setup.inputs import resolve_gpu
     from ..specs import Plan
 
     options = m.MeasureOptions(
@@ -179,7 +179,7 @@ def measure(target: str, setup, gpu_name, gpu_memory, device: str, steps: int, e
     m.check_measurable(plan.setup if plan is not None else setup)
     _require_run_extra([plan.setup if plan is not None else setup])
     scale = dict(m.DEFAULT_SCALE) if scale_down else None
-    from ..fileio import TempDir
+    from ..util.fileio import TempDir
 
     with TempDir("scaled") as tmp:
         if scale:
@@ -223,7 +223,7 @@ def sweep(matrix: str, budget: str, records_dir: str, device: str | None, dry_ru
     Setups already recorded in --records are skipped; a run that would start after the budget
     is spent is left for the next sweep.
     """
-    from .. import sweep as sw
+    from ..calibration import sweep as sw
 
     spec = sw.load_matrix(matrix, device=device)
     runs = sw.order(spec.runs)
@@ -290,9 +290,9 @@ def calibrate(records_dir: str, out_path: str, tolerance: float, use_published: 
     and published real-GPU rows; estimate, plan and check apply them."""
     from pathlib import Path
 
-    from .. import calibrate as cal
-    from ..measure import read_records
-    from ..published import RECORDS, load_records
+    from ..calibration import calibrate as cal
+    from ..calibration.measure import read_records
+    from ..calibration.published import RECORDS, load_records
 
     records = read_records(records_dir)
     published = load_records(RECORDS) if use_published and RECORDS.is_file() else []

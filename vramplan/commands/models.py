@@ -12,7 +12,7 @@ from .options import print_json, user_errors
 @user_errors
 def models(as_json: bool) -> None:
     """The shipped model profiles, with their aliases and parameter counts."""
-    from ..profiles import load_model, shipped_models
+    from ..model.profiles import load_model, shipped_models
 
     rows = []
     for hf_id, aliases in sorted(shipped_models().items(), key=lambda kv: kv[0].lower()):

@@ -128,7 +128,7 @@ def quiet_libraries() -> None:
 
 
 class Count(click.ParamType):
-    """An integer option bounded by :data:`vramplan.inputs.MAX_COUNTS` (``--batch``, ``--gpus``...),
+    """An integer option bounded by :data:`vramplan.setup.inputs.MAX_COUNTS` (``--batch``, ``--gpus``...),
     so an absurd number is one error line, not minutes of search or an overflow below."""
 
     name = "integer"
@@ -138,7 +138,7 @@ class Count(click.ParamType):
         self.minimum = minimum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        from ..inputs import MAX_COUNTS, count_shown
+        from ..setup.inputs import MAX_COUNTS, count_shown
 
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
@@ -156,12 +156,12 @@ class Count(click.ParamType):
 
 
 class MaxMemory(click.ParamType):
-    """``--max-memory 0=20GiB,1=24GiB``: accelerate's per-GPU caps (vramplan/max_memory.py)."""
+    """``--max-memory 0=20GiB,1=24GiB``: accelerate's per-GPU caps (vramplan/setup/max_memory.py)."""
 
     name = "INDEX=SIZE,..."
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
-        from ..max_memory import parse_max_memory
+        from ..setup.max_memory import parse_max_memory
 
         if isinstance(value, tuple):
             return value
@@ -368,7 +368,7 @@ def warn_lora_unused(method: str | None, given: Collection[str]) -> None:
 def _gpu_alias(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """Warn when ``--gpu`` is an alias of several cards (``a100``): it names the card chosen."""
     if value:
-        from ..inputs import ambiguous_gpu_alias
+        from ..setup.inputs import ambiguous_gpu_alias
 
         found = ambiguous_gpu_alias(value)
         if found:
@@ -387,7 +387,7 @@ _GPU_OPTIONS = (
 
 def gpu_options(fn: Callable) -> Callable:
     """Add ``--gpu NAME`` and ``--gpu-memory SIZE`` (passed as ``gpu_name`` and ``gpu_memory``;
-    :func:`vramplan.inputs.resolve_gpu` turns them into a GpuSpec)."""
+    :func:`vramplan.setup.inputs.resolve_gpu` turns them into a GpuSpec)."""
     for option in reversed(_GPU_OPTIONS):
         fn = option(fn)
     return fn
@@ -428,8 +428,8 @@ def corrections_for(gpu, no_calibration: bool = False, calibration_file: str | N
 
 def load_model_checked(model_name: str, setup: Setup, gpu=None):
     """Resolve MODEL, check the setup against it and the GPU, print the warnings; return the ModelSpec."""
-    from ..profiles import load_model
-    from ..setup_checks import check
+    from ..model.profiles import load_model
+    from ..setup.checks import check
 
     model = load_model(model_name)
     for w in check(model, setup, gpu):

@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
+from ..setup.wording import describe
 from ..specs import Setup, SpecError
-from ..wording import describe
 from .from_config import from_options
 from .options import (
     FLAG,
@@ -52,7 +52,7 @@ def parse_count(text: str | None, flag: str) -> int | None:
     shown = text if len(text) <= 40 else text[:37] + "..."
     if not value >= 1 or value == float("inf") or value != int(value):
         raise SpecError(f"{flag} must be a positive whole number; got {shown!r}")
-    from ..inputs import check_count
+    from ..setup.inputs import check_count
 
     return check_count(flag.lstrip("-").replace("-", "_"), int(value), flag)
 
@@ -151,9 +151,9 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
     keeps its model, GPUs, sequence length, global batch and quality choices, searches the memory
     savers, and prints what it changes.
     """
-    from ..inputs import resolve_gpu
     from ..search import plan as run_plan
-    from ..units import parse_bytes
+    from ..setup.inputs import resolve_gpu
+    from ..util.units import parse_bytes
 
     gpu = resolve_gpu(gpu_name, gpu_memory)
     if gpu is None:
@@ -176,7 +176,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
     source = None
     if from_file is not None:
         from ..estimator import estimate
-        from ..profiles import load_model
+        from ..model.profiles import load_model
         from ..readers import merge_fixed
         from .from_config import plan_source, print_as_written
 
@@ -206,12 +206,12 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
     except SpecError as exc:
         raise SpecError(_flagged(str(exc))) from None
 
-    from ..planfile import plan_to_json, save_plan
+    from ..plans.planfile import plan_to_json, save_plan
 
     if out_file:
         save_plan(result, out_file)
     if html_file:
-        from ..report import write_html
+        from ..plans.report import write_html
 
         write_html(result, html_file)
     emitted = []
@@ -222,7 +222,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
             emit_to_dir,
             launch_command,
         )
-        from ..profiles import load_model
+        from ..model.profiles import load_model
 
         # the search resolved MODEL (cached): the emitters reuse its spec instead of the plan's name
         if source is not None:  # the user's own file, only the changed fields changed
@@ -260,7 +260,7 @@ def _refuse_overwrites(out_file: str | None, html_file: str | None, emit_dir: st
     non-empty --emit DIR) needs --force, and no two outputs may be the same path."""
     from pathlib import Path
 
-    from ..fileio import refuse_existing
+    from ..util.fileio import refuse_existing
 
     paths = [p for p in (out_file, html_file) if p]
     if len({str(Path(p).resolve()) for p in paths}) < len(paths):
@@ -290,7 +290,7 @@ def _data_ranks(s: Setup) -> str:
 
 def _step_rows(setup, global_batch: int) -> str:
     """What one step trains on: SFT sequences; DPO pairs (chosen + rejected rows); GRPO prompts x
-    generations rows of prompt + completion (the rows tokens/s counts, vramplan/cost_objectives.py)."""
+    generations rows of prompt + completion (the rows tokens/s counts, vramplan/cost/objectives.py)."""
     if setup.objective == "sft":
         return f"{global_batch} x {setup.seq} tokens"
     from ..estimator.objectives import lengths
@@ -308,7 +308,7 @@ def print_plan(plan) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..report import terminal_bar, terminal_legend
+    from ..plans.report import terminal_bar, terminal_legend
     from ..search import savers_text
 
     console = Console(highlight=False)

@@ -25,7 +25,7 @@ from .options import (
 @user_errors
 def trace(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | None, as_json: bool) -> None:
     """Peak of live tensors when the real transformers/peft step runs on fake tensors (needs torch)."""
-    from ..inputs import resolve_gpu
+    from ..setup.inputs import resolve_gpu
 
     gpu = resolve_gpu(gpu_name, gpu_memory)
     spec = load_model_checked(model, setup, gpu)

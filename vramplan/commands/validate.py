@@ -1,6 +1,6 @@
 """`vramplan validate`: every knob's estimate against its truth, as an error table.
 
-The matrix lives in :mod:`vramplan.validate`; this module only runs it and prints. A knob that
+The matrix lives in :mod:`vramplan.validate.matrix`; this module only runs it and prints. A knob that
 cannot be verified on this machine is printed as such, with the reason.
 """
 
@@ -12,7 +12,7 @@ import time
 
 import click
 
-from ..wording import describe
+from ..setup.wording import describe
 from .options import calibration_options, print_json, user_errors
 
 
@@ -49,7 +49,7 @@ def validate(quick: bool, knobs: tuple[str, ...], measurements: str, throughput:
         return
     from ..run.models import require_torch
     from ..specs import SpecError
-    from ..validate import KNOBS, matrix, row_json, run_case, summarize, unverified_rows
+    from ..validate.matrix import KNOBS, matrix, row_json, run_case, summarize, unverified_rows
 
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
@@ -114,8 +114,8 @@ def _print_table(rows, summary, seconds: float) -> None:
 
 
 def _throughput(as_json: bool) -> None:
-    """The cost model against the published throughput rows (vramplan.throughput): pure arithmetic."""
-    from ..throughput import compare, load_records, pairs, summarize
+    """The cost model against the published throughput rows (vramplan.cost.throughput): pure arithmetic."""
+    from ..cost.throughput import compare, load_records, pairs, summarize
 
     rows = compare(load_records())
     s = summarize(rows)

@@ -1,7 +1,7 @@
 """`vramplan validate --published`: the estimate against the published real-GPU rows
 (calibration/published/records.jsonl), per row and per source, method, quantity and family, the
 share under-estimated by more than 3 %, and every excluded row with its reason. Pure arithmetic
-over estimates (:mod:`vramplan.published`): no torch."""
+over estimates (:mod:`vramplan.calibration.published`): no torch."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from .options import corrections_for, print_json
 
 def run_published(as_json: bool, no_calibration: bool = False, calibration_file: str | None = None,
                   records_path: str | None = None) -> None:
-    from ..profiles import load_gpu
-    from ..published import (
+    from ..calibration.published import (
         UNDER,
         compare,
         estimate_record,
@@ -24,6 +23,7 @@ def run_published(as_json: bool, no_calibration: bool = False, calibration_file:
         summarize,
         token_slopes,
     )
+    from ..model.profiles import load_gpu
 
     records = load_records(records_path)
     applied: dict = {}

@@ -13,6 +13,8 @@ files its launch command reads (ds_config.json for ZeRO plans, accelerate_config
 hostfile of a multi-node DeepSpeed plan), so that the emitted directory runs as its header says.
 Without an explicit list, ``deepspeed`` is emitted only for plans that use ZeRO, and no framework
 config is written.
+
+May import: util, specs, model, setup, estimator, plans, readers.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
 
     ``model`` is the plan's ModelSpec when the caller has it (``Plan.model`` is only its name;
     without it, the name is resolved again)."""
-    from ..planfile import dumps_plan
+    from ..plans.planfile import dumps_plan
     from . import accelerate as acc
     from . import deepspeed as ds
 
@@ -81,10 +83,10 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
         if name not in FORMATS:
             raise SpecError(f"unknown format {name!r}; use {', '.join(FORMATS)}")
     model = model or plan_model(plan)
-    from ..compat import known_failures
+    from ..setup.compat import known_failures
 
     hits = known_failures(plan.setup, model)
-    if hits:  # never write a combination known not to run (vramplan/compat.py)
+    if hits:  # never write a combination known not to run (vramplan/setup/compat.py)
         raise SpecError(f"refusing to emit: {hits[0].message()}")
     files: dict[str, str] = {}
     if "deepspeed" in formats or ("trainer" in formats and uses_deepspeed(plan)):
@@ -137,7 +139,7 @@ def emit_to_dir(plan: Plan, out_dir: str | os.PathLike, formats: tuple[str, ...]
     ``force`` its files of the same names are replaced and other files there are left alone.
     The files are staged and moved into place together: an interrupted emit leaves all or none.
     """
-    from ..fileio import write_files
+    from ..util.fileio import write_files
 
     check_out_dir(out_dir, force)
     files = render(plan, formats, model=model)
@@ -151,7 +153,7 @@ def write_back_to_dir(read, source_setup, plan: Plan, out_dir: str | os.PathLike
     written into ``out_dir`` with only the plan's changes to ``source_setup`` changed
     (:func:`vramplan.emit.writeback.write_back`); written as :func:`emit_to_dir` writes. FILE itself
     is never touched."""
-    from ..fileio import write_files
+    from ..util.fileio import write_files
     from .writeback import write_back
 
     check_out_dir(out_dir, force)

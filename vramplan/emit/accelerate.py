@@ -17,7 +17,7 @@ from .common import DS_CONFIG, MAIN_PORT, comment, fsdp1_strategy, fsdp_mode, he
 
 #: Setup.precision -> accelerate's mixed_precision under FSDP: the "-mixed" precisions run FSDP's
 #: MixedPrecision over fp32 shards (accelerate upcasts trainable shards); pure bf16/fp16 run
-#: without a policy on the 16-bit-loaded model (16-bit shards), what vramplan.run.fsdp runs and
+#: without a policy on the 16-bit-loaded model (16-bit shards), what vramplan.truths.fsdp runs and
 #: estimator/fsdp.py models.
 MIXED_PRECISION = {"bf16": "no", "bf16-mixed": "bf16", "fp16": "no", "fp16-mixed": "fp16", "fp32": "no"}
 
@@ -81,7 +81,7 @@ def accelerate_config(plan: Plan) -> dict:
 
 def _fsdp2_config(plan: Plan) -> dict:
     """accelerate 1.15's FSDP2 keys (``FullyShardedDataParallelPlugin`` with ``fsdp_version: 2``,
-    what vramplan.run.fsdp2 prepares and estimator/fsdp2.py models): ``shard_grad_op`` is
+    what vramplan.truths.fsdp2 prepares and estimator/fsdp2.py models): ``shard_grad_op`` is
     ``fsdp_reshard_after_forward: false``; FSDP2 has no sharding strategy, backward prefetch or
     use_orig_params keys. ``fsdp_sync_module_states`` only because ``accelerate launch`` asks for
     it beside ``fsdp_cpu_ram_efficient_loading`` (utils/launch.py, prepare_multi_gpu_env)."""

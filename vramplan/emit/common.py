@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 
+from ..setup.wording import describe
 from ..specs import ModelSpec, Plan, SpecError
-from ..units import fmt_bytes
-from ..wording import describe
+from ..util.units import fmt_bytes
 
 #: File names inside an emitted directory.
 DS_CONFIG = "ds_config.json"
@@ -24,7 +24,7 @@ MODEL_CONFIG = "config.json"
 
 MAIN_PORT = 29500
 
-#: Setup.fsdp -> accelerate's FSDP sharding strategy (FSDP1, what the truth in vramplan/run/fsdp.py
+#: Setup.fsdp -> accelerate's FSDP sharding strategy (FSDP1, what the truth in vramplan/truths/fsdp.py
 #: runs); with ``dp_replicate`` > 1 the hybrid ones (:func:`fsdp1_strategy`).
 FSDP_STRATEGIES = {
     "full_shard": "FULL_SHARD",
@@ -50,7 +50,7 @@ def default_lr(setup) -> float:
 
 def plan_model(plan: Plan) -> ModelSpec:
     """The ModelSpec the plan was made for (``load_model`` is cached, so this is a lookup)."""
-    from ..profiles import load_model
+    from ..model.profiles import load_model
 
     return load_model(plan.model)
 

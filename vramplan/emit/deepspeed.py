@@ -62,7 +62,7 @@ def deepspeed_config(plan: Plan, *, hf_auto: bool = True, nvme_path: str = DEFAU
 
 def setup_config(model: ModelSpec, s: Setup, *, hf_auto: bool = True, nvme_path: str = DEFAULT_NVME_PATH) -> dict:
     """The DeepSpeed config of Setup ``s`` on ``model`` without the plan's header comment: what
-    :func:`deepspeed_config` writes, and what the ZeRO truth (:mod:`vramplan.run.distributed`)
+    :func:`deepspeed_config` writes, and what the ZeRO truth (:mod:`vramplan.truths.distributed`)
     runs. ``hf_auto=False`` writes the Setup's numbers where the HF Trainer would fill ``"auto"``."""
     zero = dict(zero_config(model, s))
     if s.offload_optimizer != "none":

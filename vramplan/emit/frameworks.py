@@ -129,7 +129,7 @@ def _todo(plan: Plan, fmt: str) -> str:
 
 
 def _describe(setup: Setup) -> str:
-    from ..wording import describe
+    from ..setup.wording import describe
 
     return describe(setup)
 

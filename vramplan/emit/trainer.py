@@ -11,7 +11,7 @@ from __future__ import annotations
 from importlib import resources
 
 from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
-from ..max_memory import max_memory_map
+from ..setup.max_memory import max_memory_map
 from ..specs import ModelSpec, Plan, SpecError
 from .common import MODEL_CONFIG, comment, default_lr, header_lines, launch_commands, plan_model, uses_deepspeed
 
@@ -78,7 +78,7 @@ def script_plan(plan: Plan, model: ModelSpec | None = None) -> dict:
         **({"optimizer_in_backward": True} if s.optimizer_in_backward else {}),
         # from_pretrained(device_map=...): the layers split over this process's GPUs
         **({"device_map": s.device_map} if s.device_map != "none" else {}),
-        # from_pretrained(max_memory={GPU index: bytes}): accelerate's caps as data (vramplan/max_memory.py)
+        # from_pretrained(max_memory={GPU index: bytes}): accelerate's caps as data (vramplan/setup/max_memory.py)
         **({"max_memory": max_memory_map(s.max_memory)} if s.max_memory else {}),
         # from_pretrained(distributed_config=DistributedConfig(tp_plan="auto")): each process a 1/tp shard
         **({"tp": s.tp} if s.tp > 1 else {}),

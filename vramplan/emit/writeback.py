@@ -2,7 +2,7 @@
 the plan changes changed, each with a comment saying why.
 
 The edit is line-level, guided by the line and column marks of the YAML's composed nodes
-(:func:`vramplan.inputs.compose_yaml`), so the user's comments, key order and every other field
+(:func:`vramplan.setup.inputs.compose_yaml`), so the user's comments, key order and every other field
 stay byte for byte: a changed scalar is replaced in place and gets ``# vramplan: was OLD; ...`` at
 the end of its line; a key the plan's setup no longer has is commented out; a key the file lacks
 is added (at the end of its parent block, or of the file). Which keys carry which Setup field is
@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from ..specs import Breakdown, ModelSpec, Plan, Setup, SpecError
-from ..units import gib
+from ..util.units import gib
 from .common import ACCELERATE_CONFIG, DS_CONFIG, one_line
 
 __all__ = ["CHANGES_FILE", "Edit", "write_back"]
@@ -159,7 +159,7 @@ def _find(root, key: str):
 
 def edit_yaml(text: str, edits: list[Edit], where: str) -> str:
     """``text`` with ``edits`` applied line by line; everything else kept."""
-    from ..inputs import compose_yaml
+    from ..setup.inputs import compose_yaml
 
     lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
@@ -229,7 +229,7 @@ def edit_yaml(text: str, edits: list[Edit], where: str) -> str:
 def _check(text: str, edits: list[Edit], where: str) -> None:
     """The edited text parses and has every edit's value (a line edit that went wrong is an error,
     never a file written)."""
-    from ..inputs import loads_yaml
+    from ..setup.inputs import loads_yaml
 
     data = loads_yaml(text, where)
     for e in edits:
@@ -251,7 +251,7 @@ def _comment_out(line: str, note: str) -> str:
 
 
 def _edit_json(text: str, edits: list[Edit], where: str) -> str:
-    from ..inputs import loads_json
+    from ..setup.inputs import loads_json
 
     data = loads_json(text, where)
     for e in edits:
@@ -274,10 +274,10 @@ def write_back(read, source_setup: Setup, plan: Plan, model: ModelSpec, as_writt
     """File name -> text for ``plan --from FILE --emit DIR``: the user's file (its own name) with
     the plan's changes, the DeepSpeed JSON / accelerate YAML those changes need, the plan file and
     :data:`CHANGES_FILE`. A change the format cannot carry is a SpecError (nothing is written)."""
-    from ..inputs import read_text
-    from ..planfile import dumps_plan
+    from ..plans.planfile import dumps_plan
     from ..readers import setup_changes
     from ..readers.trl_args import COMMAND_SUFFIXES
+    from ..setup.inputs import read_text
     from .accelerate import accelerate_config
     from .frameworks import companion_files, refusal
 

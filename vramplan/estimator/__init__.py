@@ -5,6 +5,8 @@ Breakdown: the model states (estimator/model_states.py, optimizers.py, lora.py),
 activations (activations.py, in the dtypes of precision.py) and the step's transients
 (transients.py), ZeRO and FSDP's per-rank shares (distributed.py, fsdp.py) and the device terms
 (corrections.py). No torch import.
+
+May import: util, specs, bands, setup (the types; no torch, no other stage).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ a plain flash call is :func:`ring_backward_bytes`, at each layer's attention bac
 largest moment: :func:`attention_floor` is that moment for estimator/step.py). Beside them: the batch's
 buffers (:func:`input_bytes`) and, with checkpointing, the causal mask transformers builds for the
 load-balanced positions (:func:`mask_bytes`). Every term was read off the truth's live tensors at
-each rank's peak (vramplan/run/cp_truth.py, ``VRAMPLAN_CP_DETAIL``; ``vramplan validate --knob cp``).
+each rank's peak (vramplan/truths/cp_truth.py, ``VRAMPLAN_CP_DETAIL``; ``vramplan validate --knob cp``).
 
 K/V head count: transformers 5.24 calls SDPA with ``enable_gqa=True`` and K/V at their own head count
 when there is no mask (``integrations/sdpa_attention.use_gqa_in_sdpa``; under CP accelerate's hooks
@@ -24,7 +24,7 @@ cuDNN) ``query, key, value`` unrepeated (only the last dim padded to 8): the rep
 (``pre_process_group_query_attention_input``) is on the math path alone, and flash admits grouped
 heads (cuda/sdp_utils.cpp ``can_use_flash_attention``: ``backend_supports_grouped_query_attention =
 true``). So the ring's all-gather and its dK/dV carry the KV heads, as modelled here (and as the
-truth's stand-in kernel takes them, vramplan/run/cp_truth.py).
+truth's stand-in kernel takes them, vramplan/truths/cp_truth.py).
 
 Per layer, with q = b H s_l d and kv = b K s_l d elements (s_l = seq / N, c bytes per activation
 element; rotate method "allgather", accelerate's default ``cp_comm_strategy``, torch's
@@ -62,7 +62,7 @@ import dataclasses
 
 from ..specs import Breakdown, Component, GpuSpec, ModelSpec, Setup, SpecError
 
-#: Setup knobs context parallelism refuses away from their defaults (vramplan.run.cp_truth runs none).
+#: Setup knobs context parallelism refuses away from their defaults (vramplan.truths.cp_truth runs none).
 _CP_UNRUN = ("loss", "liger", "dora", "modules_to_save", "activation_offload", "checkpoint_every",
              "optimizer_in_backward", "objective", "eval_batch", "padding_free", "pad_mask")
 
@@ -167,7 +167,7 @@ def mask_bytes(setup: Setup) -> int:
     cannot skip the mask (``allow_is_causal_skip`` off) and builds a (b, 1, s_l, s_l) bool mask that
     accelerate's hook then drops from attention. Checkpointed layers hold it as an input to their
     recompute (forward to backward); without checkpointing it dies with the decoder's forward, before
-    the loss (not at a peak). Read off the truth (vramplan.run.cp_truth, ``VRAMPLAN_CP_DETAIL``)."""
+    the loss (not at a peak). Read off the truth (vramplan.truths.cp_truth, ``VRAMPLAN_CP_DETAIL``)."""
     s_l = setup.seq // setup.cp
     return setup.batch * s_l * s_l if setup.checkpointing else 0
 

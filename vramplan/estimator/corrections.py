@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..bands import CalibrationInfo, ErrorBand, ErrorBands
 from ..specs import SpecError
-from ..units import MiB
+from ..util.units import MiB
 
 
 @dataclass(frozen=True)

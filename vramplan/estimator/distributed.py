@@ -13,7 +13,7 @@ each in bf16, allocated whatever the model's size) would dominate a small model'
   prefetch bucket, DeepSpeed 0.19 keeps gathered every parameter the prefetcher walked past
   ("don't release params whose reuse was skipped by prefetch",
   ``PartitionedParameterCoordinator.__params_to_release``). In the real 2-rank run of
-  ``vramplan.run.distributed`` that left 92% of the parameters gathered at the end of the forward,
+  ``vramplan.truths.distributed`` that left 92% of the parameters gathered at the end of the forward,
   so stage 3 saved almost no parameter memory and nothing bounds it by the bucket. Without
   prefetch the gathered set is the running module's parameters, which the estimate can hold to;
   the price is that the all-gather no longer overlaps the compute (slower steps);
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
-from ..units import bnb_4bit_tensor_bytes
+from ..util.units import bnb_4bit_tensor_bytes
 from .lora import adapted_linears, converted_moe, expert_lora_factors
 from .precision import adapter_dtype_bytes
 

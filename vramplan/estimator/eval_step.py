@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..errors import SpecError
 from ..specs import PHASES, Component, ModelSpec, Setup
-from ..units import gib
+from ..util.errors import SpecError
+from ..util.units import gib
 from .lora import adapted_linears
 from .precision import adapter_dtype_bytes, autocast_bytes, compute_bytes
 
@@ -93,7 +93,7 @@ def eval_lora_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> int:
         elif lin.role == "mlp":
             # MLP side: four hidden-sized tensors (the layer's input, still held by the decoder loop, the
             # post-attention residual, the normed input, and the attention output's sum, measured by
-            # vramplan/run/eval_truth.py) beside the activation output (gate/up) or the product (down)
+            # vramplan/truths/eval_truth.py) beside the activation output (gate/up) or the product (down)
             before = 4 * c * h + (c * lin.in_features if lin.in_features != h else c * model.intermediate_size)
         else:
             continue

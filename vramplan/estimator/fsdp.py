@@ -4,7 +4,7 @@ FSDP. vramplan launches FSDP1 through accelerate (vramplan/emit/accelerate.py: `
 TRANSFORMER_BASED_WRAP, BACKWARD_PRE, ``use_orig_params``, ``mixed_precision`` from the Setup).
 What a rank holds follows torch 2.13's ``torch/distributed/fsdp`` (``_flat_param.py``,
 ``_runtime_utils.py``) and accelerate 1.15's ``Accelerator.prepare_model``; every term below was
-read off the real N-process run of ``vramplan.run.fsdp`` (docs/commands/validate.md, knob fsdp):
+read off the real N-process run of ``vramplan.truths.fsdp`` (docs/commands/validate.md, knob fsdp):
 - units: each decoder layer is one FSDP unit (one FlatParameter), the root unit holds what is left
   (embeddings, the final norm, an untied head); under LoRA the HF Trainer installs peft's
   ``fsdp_auto_wrap_policy``, which makes every adapter Linear its own unit as well;
@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
-from ..units import (
+from ..util.units import (
     BNB_MIN_8BIT_SIZE,
     DTYPE_BYTES,
     PRECISION_WEIGHT_DTYPE,

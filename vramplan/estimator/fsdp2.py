@@ -2,7 +2,7 @@
 
 Modelled on torch 2.13's ``torch/distributed/fsdp/_fully_shard/`` and accelerate 1.15's
 ``fsdp2_prepare_model`` (accelerate/utils/fsdp_utils.py) as the HF Trainer (transformers 5.24)
-runs them; every term was read off the real N-process run of ``vramplan.run.fsdp2``
+runs them; every term was read off the real N-process run of ``vramplan.truths.fsdp2``
 (``vramplan validate --knob fsdp2``). What differs from FSDP1 (estimator/fsdp.py):
 
 - groups (accelerate ``fsdp2_prepare_model``): each decoder layer one ``fully_shard`` group
@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import math
 
-from ..setup_checks import check_fsdp2
+from ..setup.checks import check_fsdp2
 from ..specs import ModelSpec, Setup
-from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE, bnb_4bit_tensor_bytes
+from ..util.units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE, bnb_4bit_tensor_bytes
 from .fsdp import FsdpMemory, fsdp_memory, fsdp_mixed, fsdp_phase_peaks
 from .hybrid_shard import held_reduce_bytes, shard_ranks
 from .lora import adapted_linears

@@ -2,7 +2,7 @@
 ``S = gpus // dp_replicate`` GPUs and replicates across ``dp_replicate`` such groups.
 
 How the pinned libraries run it (read off their source; verified against the real 4-rank runs of
-:mod:`vramplan.run.hsdp_truth`, ``vramplan validate --knob hybrid_shard``):
+:mod:`vramplan.truths.hsdp_truth`, ``vramplan validate --knob hybrid_shard``):
 
 - FSDP2 (accelerate 1.15 ``fsdp_version: 2``): ``ParallelismConfig(dp_replicate_size=R,
   dp_shard_size=S)`` builds a ``(dp_replicate, dp_shard)`` DeviceMesh (parallelism_config.py

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup, SpecError
-from ..units import PRECISION_WEIGHT_DTYPE
+from ..util.units import PRECISION_WEIGHT_DTYPE
 from . import optimizers as opt_rules
 from .lora import adapted_linears, expert_lora_factors
 from .model_states import head_params, weight_dtype_bytes
@@ -103,7 +103,7 @@ def fsdp_copy_shard_bytes(model: ModelSpec, setup: Setup, ranks: int) -> int:
     installs; its ``lambda_policy_fn``: a leaf module with a trainable weight) makes each copy a unit,
     flattened and sharded in its dtype (fp32 under MixedPrecision: accelerate upcasts trainable
     parameters), so its gradient and optimizer states follow it; checked on 2 ranks
-    (vramplan.run.fsdp, validate --knob modules_to_save)."""
+    (vramplan.truths.fsdp, validate --knob modules_to_save)."""
     b = 4 if setup.precision.endswith("-mixed") else _copy_bytes(setup)
     return sum(b * -(-(shape[0] * shape[1]) // ranks) for _, shape, _ in saved_modules(model, setup))
 

@@ -22,7 +22,7 @@ quantization state, biases and the head stay as they are). What the steps do:
   to the CPU (vramplan refuses that: accelerate's CPU offload is not modelled).
 
 Torch-free; checked against the real functions on the meta-device model by
-``vramplan/run/layer_split_truth.py`` (``vramplan validate --knob device_map``).
+``vramplan/truths/layer_split_truth.py`` (``vramplan validate --knob device_map``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass
 
 from ..specs import GpuSpec, ModelSpec, Setup, SpecError
-from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
+from ..util.units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
 
 #: the bitsandbytes bases whose Linear weights transformers sizes by their packed element when placing
 #: them (quantizers/quantizer_bnb_4bit.py and quantizer_bnb_8bit.py ``quantized_element_size``: 0.5 and
@@ -275,7 +275,7 @@ def clean_device_map(device_map: dict[str, int], module_name: str = "") -> dict[
 
 def spill_message(setup: Setup, spilled: tuple[str, ...]) -> str:
     """Why a capped split is refused: accelerate's map would put ``spilled`` off the GPUs."""
-    from ..max_memory import caps_text
+    from ..setup.max_memory import caps_text
 
     what = spilled[0] + (f" and {len(spilled) - 1} more modules" if len(spilled) > 1 else "")
     return (f"max_memory {caps_text(setup.max_memory)} leaves {what} on no GPU: device_map={setup.device_map} would "

@@ -243,8 +243,8 @@ def fullest_rank(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correction
 def cap_notes(setup: Setup, gpu: GpuSpec | None, cuda_context_bytes: int) -> list[str]:
     """What ``--max-memory`` did: the caps the placement used (accelerate takes them as given,
     transformers 5.24 ``get_max_memory``), and any above the GPU's free memory at load."""
-    from ..max_memory import caps_text
-    from ..units import gib
+    from ..setup.max_memory import caps_text
+    from ..util.units import gib
     from .layer_split import free_memory_bytes
 
     out = [f"placed under max_memory {caps_text(setup.max_memory)} (accelerate takes each cap as given)"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from ..specs import ModelSpec, Setup
-from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
+from ..util.units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
 from .precision import autocast_bytes, compute_bytes, mixed
 
 #: Families whose Liger kernels are modelled (liger-kernel 0.8.5 ``MODEL_TYPE_TO_APPLY_LIGER_FN``).

@@ -12,7 +12,7 @@ modules with those v4 names (dense and shared-expert MLPs) are no longer targete
 
 from __future__ import annotations
 
-from ..setup_checks import lora_targets
+from ..setup.checks import lora_targets
 from ..specs import LinearSpec, ModelSpec, Setup
 
 #: v4 names that peft maps to v5 parameters, per conversion pattern.

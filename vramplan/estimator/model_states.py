@@ -8,7 +8,7 @@ estimator/fsdp.py). The optimizer rules are in estimator/optimizers.py.
 from __future__ import annotations
 
 from ..specs import ModelSpec, Setup
-from ..units import (
+from ..util.units import (
     DTYPE_BYTES,
     PRECISION_COMPUTE_DTYPE,
     PRECISION_WEIGHT_DTYPE,

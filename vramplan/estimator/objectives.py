@@ -47,8 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import SpecError
 from ..specs import PHASES, Component, GpuSpec, ModelSpec, Setup
+from ..util.errors import SpecError
 from .activations import global_bytes_per_token
 from .lora import adapted_linears
 from .model_states import weights_bytes
@@ -332,7 +332,7 @@ def objective_memory(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, restin
         resting, after_forward = resting + accum_grads, after_forward + accum_grads
     ref_w = weights_bytes(model, setup) if ref == "copy" else 0  # the base as loaded (quantized or not)
     ref_w += reference_adapter_bytes(setup, adapters)
-    speed = "speed: the policy's rows, the reference forward and GRPO's generation (vramplan/cost_objectives.py)"
+    speed = "speed: the policy's rows, the reference forward and GRPO's generation (vramplan/cost/objectives.py)"
     if setup.objective == "orpo":
         return ObjectiveMemory(0, {}, (), (*orpo_notes(setup, lens.rows, lens.row_len), speed))
     notes = [f"objective {setup.objective}: TRL {TRL_VERSION} ({TRAINERS[setup.objective]}), "

@@ -16,7 +16,7 @@
 
 ``per_device_train_batch_size`` is pairs (2 x batch rows); ``max_length`` is a row's prompt +
 completion (ORPOConfig has no ``max_prompt_length``; the answer is truncated); no reference model.
-The backward's multiples of c N V are read off the traced step (run/objective_trace.py, torch fold)
+The backward's multiples of c N V are read off the traced step (truths/objective_trace.py, torch fold)
 and the CUDA path's from the kernel's allocations; see docs/objectives.md.
 """
 

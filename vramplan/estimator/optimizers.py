@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from ..specs import ModelSpec, Setup
-from ..units import BNB_MIN_8BIT_SIZE
+from ..util.units import BNB_MIN_8BIT_SIZE
 from .lora import adapted_linears, expert_lora_params
 
 #: bitsandbytes pages the state of a parameter with at least this many elements.

@@ -8,7 +8,7 @@ activations (estimator/activations.py), the step's transients and the ZeRO/FSDP 
 from __future__ import annotations
 
 from ..specs import ModelSpec, Setup
-from ..units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
+from ..util.units import DTYPE_BYTES, PRECISION_COMPUTE_DTYPE
 
 
 def mixed(setup: Setup) -> bool:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
-from ..units import bnb_4bit_tensor_bytes, gib
+from ..util.units import bnb_4bit_tensor_bytes, gib
 
 #: what the formulas are read off (the default Stack), stated in every Breakdown's notes
 MODELLED_VERSIONS = {"transformers": "5", "torch": "2.13", "peft": "0.21", "accelerate": "1.15",

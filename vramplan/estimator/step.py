@@ -14,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..bands import DEFAULT_ERROR_BANDS
-from ..setup_checks import check
+from ..setup.checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
-from ..units import PRECISION_WEIGHT_DTYPE
+from ..util.units import PRECISION_WEIGHT_DTYPE
 from . import act_offload, eval_step, knobs, objectives, selective, tensor_parallel, transients, vllm_share
 from . import activations as act
 from . import context_parallel as cp_rank

@@ -24,13 +24,13 @@ states and saved activations are that model's, as on one GPU (the layer input, n
 residual stream are full-width on every rank; q/k/v, attention, the MLP's intermediate tensors are
 this rank's columns); the loss is the full vocabulary's (:func:`rank_estimate` passes the full model
 as ``loss_model``). The all-reduces' outputs replace tensors the single-GPU step has too. Read off
-the real DTensor step on N gloo ranks (vramplan/run/tp_truth.py, ``validate --knob tp``).
+the real DTensor step on N gloo ranks (vramplan/truths/tp_truth.py, ``validate --knob tp``).
 
 LoRA (peft 0.21 ``tuners/lora/model.add_lora_tp_hooks_dtensor``): a colwise Linear's ``lora_B`` is
 a DTensor ``Shard(0)`` over the tp mesh (``out / tp`` local rows), its ``lora_A`` a plain replicated
 tensor: the adapters of :func:`rank_model`'s Linears; their gradients, AdamW states and one step
 match an unsharded LoRA step of the same checkpoint (relative error 1e-6 on the gradients, 2e-5 on
-the stepped values, fp32, 2 gloo ranks: vramplan/run/tp_lora.py, tests/test_tp_lora.py). A
+the stepped values, fp32, 2 gloo ranks: vramplan/truths/tp_lora.py, tests/test_tp_lora.py). A
 rowwise Linear's adapter does not run: peft's ``tuners_utils._get_in_out_features`` reads the local
 weight, so ``lora_A.in_features`` is the shard's width (``in / tp``), and transformers'
 ``RowwiseParallel.transform_inputs_pre_forward`` builds the input DTensor with that as the global
@@ -97,7 +97,7 @@ def check_tp(model: ModelSpec, setup: Setup) -> None:
             raise SpecError(f"--tp with {flag} is not modelled yet (tensor parallelism is modelled for full "
                             "fine-tuning and LoRA of a 16-bit base with torch AdamW and the HF loss)")
     if setup.adapters:
-        from ..setup_checks import lora_targets
+        from ..setup.checks import lora_targets
 
         rowwise = sorted({l.name for l in lora_targets(model, setup)[0] if l.name in ROWWISE or l.role == "head"})
         if rowwise:

@@ -17,7 +17,7 @@ and the loss sees the full vocabulary (the head's ``colwise_gather_output``). No
 ``MixedPrecisionPolicy`` (``fsdp_mixed_precision`` is off) and no fp32 upcast: the HF Trainer
 builds ``ParallelismConfig(tp_size=T, dp_shard_size=D)`` from the model's ``distributed_config``
 (``Trainer._build_accelerator_args``), and accelerate's ``prepare`` finds every
-parameter a DTensor. Read off the real ``T x D`` gloo run (vramplan/run/tp_fsdp2.py,
+parameter a DTensor. Read off the real ``T x D`` gloo run (vramplan/truths/tp_fsdp2.py,
 ``validate --knob tp``).
 
 What does not run is refused here, each with why:
@@ -111,7 +111,7 @@ def tied_head_copy_bytes(model: ModelSpec, setup: Setup) -> int:
     off the run): its pre-forward swaps in the unsharded weight on ``embed_tokens`` only, the head's
     ``F.linear`` meets the sharded 2-D DTensor and DTensor all-gathers it over the ``fsdp`` dim, and
     the matmul saves that copy for its backward: live from the head's forward to its backward."""
-    from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
+    from ..util.units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
 
     if not combined(setup) or not model.tie_word_embeddings:
         return 0

@@ -8,7 +8,7 @@ Per token unless stated, read off the tracer's per-moment peaks and op timeline
 from __future__ import annotations
 
 from ..specs import ModelSpec, Setup
-from ..units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
+from ..util.units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
 from . import liger
 from .activations import (
     ACTIVATION_SAVES,

@@ -17,7 +17,7 @@ as such, for the vLLM versions TRL 1.16 accepts (``trl/import_utils.py is_vllm_a
   start when the cache cannot hold one ``max_model_len`` sequence (``kv_cache_utils.py``
   ``check_enough_kv_cache_memory``). The emitted script sets ``vllm_max_model_length`` to the row length.
 - Fewer concurrent sequences than the generation batch is not an OOM: the scheduler runs the rest
-  as slots free up (continuous batching), so generation takes more waves (vramplan/cost_objectives.py).
+  as slots free up (continuous batching), so generation takes more waves (vramplan/cost/objectives.py).
 
 Weights: vLLM loads the checkpoint itself (``LLM(model=model.name_or_path)``) in the model's 16-bit
 dtype; with a bitsandbytes 4-bit policy TRL passes ``quantization="bitsandbytes"`` (4-bit Linears, the
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from ..specs import GpuSpec, ModelSpec, Setup
-from ..units import bnb_4bit_tensor_bytes
+from ..util.units import bnb_4bit_tensor_bytes
 from .objectives import lengths
 
 #: ``max_num_batched_tokens`` TRL 1.16 passes to ``LLM`` (trl/generation/vllm_generation.py)

@@ -11,7 +11,7 @@
 - accelerate's shared state (``accelerate.state.AcceleratorState``, 1.15) when the run was
   launched with an accelerate config instead: its DeepSpeed plugin's config, its FSDP plugin,
   its ``mixed_precision``;
-- the model: ``config.to_dict()`` -> ModelSpec (:func:`vramplan.architecture.model_spec_from_config`),
+- the model: ``config.to_dict()`` -> ModelSpec (:func:`vramplan.model.architecture.model_spec_from_config`),
   ``config._attn_implementation``, the load dtype (the dtype most of the base's parameters have;
   a quantized base's ``config.dtype``), ``config.quantization_config`` (bitsandbytes
   ``load_in_4bit``/``load_in_8bit``, ``bnb_4bit_quant_type``, ``bnb_4bit_use_double_quant``), and a
@@ -57,7 +57,7 @@ class TrainerSetup:
 
     def setup(self, seq: int | None = None) -> Setup:
         """The Setup, with ``seq`` when the trainer's arguments do not fix it."""
-        from ..inputs import setup_from_mapping
+        from ..setup.inputs import setup_from_mapping
 
         values = dict(self.fields)
         if seq is not None:
@@ -280,7 +280,7 @@ def _unmodelled_eval(m: Mapped) -> None:
     if not m.setup.get("eval_batch"):
         return
     from ..estimator.eval_step import eval_unmodelled
-    from ..inputs import setup_from_mapping
+    from ..setup.inputs import setup_from_mapping
 
     why = eval_unmodelled(setup_from_mapping(dict(m.setup), "the Trainer's setup"))
     if why:
@@ -316,7 +316,7 @@ def setup_from_trainer(args, model, optimizer=None, *, seq: int | None = None) -
     """The setup the Trainer runs (see the module docstring); ``seq``: the sequence length when
     the arguments do not fix it (a TRL config's ``max_length`` wins: it is what the collator
     truncates to)."""
-    from ..architecture import model_spec_from_config
+    from ..model.architecture import model_spec_from_config
 
     model = _unwrap(model)
     m = Mapped()

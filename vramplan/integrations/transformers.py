@@ -28,7 +28,7 @@ from the forward pre-hook, backward from the forward's return, optimizer from
 ``on_pre_optimizer_step``) and on CUDA reads ``torch.cuda.max_memory_allocated``/``reserved`` per
 phase (it resets the peak statistics at each phase change) and NVML's per-process memory. After
 ``measure_steps`` optimizer steps (default 3; or at train end, if fewer ran) the hooks come off,
-the measured peaks are logged against the estimate (:func:`vramplan.measure.comparison`), and with
+the measured peaks are logged against the estimate (:func:`vramplan.calibration.measure.comparison`), and with
 ``record_to=`` (a records directory, or a ``.jsonl`` file) a measurement record
 (docs/schema/measurement.schema.json) is appended, which ``vramplan calibrate`` reads. Unlike
 ``vramplan measure`` the user's optimizer is left as it is (on the CPU, torch AdamW without
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 def _size(n: float) -> str:
     """Bytes in GiB, or MiB below one GiB (a tiny test model's step)."""
-    from ..units import GiB, fmt_bytes
+    from ..util.units import GiB, fmt_bytes
 
     return fmt_bytes(n, "GiB" if abs(n) >= GiB else "MiB")
 
@@ -64,7 +64,7 @@ class VramplanCallback(TrainerCallback):
     """Estimate at train start, measure the first steps, optionally append a measurement record.
 
     After training: :attr:`trainer_setup` (what was read), :attr:`setup`, :attr:`breakdown` (the
-    estimate), :attr:`measurement` (a :class:`vramplan.measure.Measurement`), :attr:`record_path`,
+    estimate), :attr:`measurement` (a :class:`vramplan.calibration.measure.Measurement`), :attr:`record_path`,
     :attr:`first_batch_shape`, :attr:`notes` (every line logged).
     """
 
@@ -151,7 +151,7 @@ class VramplanCallback(TrainerCallback):
 
     # the estimate -----------------------------------------------------------------------------
     def _resolve_gpu(self, args):
-        from ..inputs import resolve_gpu
+        from ..setup.inputs import resolve_gpu
 
         if self.gpu_arg is not None:
             return resolve_gpu(self.gpu_arg)
@@ -159,7 +159,7 @@ class VramplanCallback(TrainerCallback):
             return None
         import torch
 
-        from ..profiles import load_gpu
+        from ..model.profiles import load_gpu
 
         index = args.device.index or 0
         props = torch.cuda.get_device_properties(index)
@@ -201,7 +201,7 @@ class VramplanCallback(TrainerCallback):
         from ..estimator import estimate
         from ..estimator.corrections import calibration_for
         from ..estimator.stack import Stack
-        from ..wording import describe
+        from ..setup.wording import describe
 
         self.setup = self.trainer_setup.setup(seq)
         corrections, warnings = calibration_for(self.gpu, None, enabled=self.calibration)
@@ -271,7 +271,7 @@ class VramplanCallback(TrainerCallback):
             self._record()
 
     def _measurement(self, result: dict):
-        from .. import measure as m
+        from ..calibration import measure as m
         from ..estimator import estimate
         from ..estimator.corrections import DEFAULT_CORRECTIONS
         from ..estimator.stack import Stack
@@ -295,7 +295,7 @@ class VramplanCallback(TrainerCallback):
                              key=m.measurement_key(model, self.setup, self.device, None, None, hardware))
 
     def _compare(self) -> None:
-        from ..measure import comparison
+        from ..calibration.measure import comparison
 
         rows = comparison(self.measurement)
         if not rows:
@@ -306,7 +306,7 @@ class VramplanCallback(TrainerCallback):
         self._log(self.log_level, f"after {self._measure.step} steps: " + "; ".join(parts))
 
     def _record(self) -> None:
-        from .. import measure as m
+        from ..calibration import measure as m
 
         target = Path(self.record_to)
         if target.suffix == ".jsonl":

@@ -4,8 +4,10 @@
 :func:`read_config` detects the format (or takes ``format``), maps every memory-relevant field
 to a :class:`vramplan.specs.Setup` with the framework's own defaults for what the file leaves
 out (each reader cites the source it read them from), and names every field it cannot model
-in a typed :class:`ReadWarning`. Torch-free: yaml and json only, through :mod:`vramplan.inputs`.
+in a typed :class:`ReadWarning`. Torch-free: yaml and json only, through :mod:`vramplan.setup.inputs`.
 One module per format; detection is :func:`detect`.
+
+May import: util, specs, setup, estimator.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..estimator.eval_step import eval_unmodelled
-from ..inputs import load_structured, setup_from_mapping
+from ..setup.inputs import load_structured, setup_from_mapping
 from ..specs import SpecError
 from .common import Mapped, ReadConfig, ReadWarning
 from .planning import Change, PlanInputs, merge_fixed, plan_inputs, setup_changes

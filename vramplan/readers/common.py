@@ -2,7 +2,7 @@
 type-checked view of a config's fields (:class:`Fields`), the tables of names the frameworks
 share (transformers' optimizer and attention names), and the resolution of files a config names.
 
-Torch-free: yaml and json only, through :mod:`vramplan.inputs` (its size and depth limits).
+Torch-free: yaml and json only, through :mod:`vramplan.setup.inputs` (its size and depth limits).
 """
 
 from __future__ import annotations

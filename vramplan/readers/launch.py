@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..inputs import load_structured
+from ..setup.inputs import load_structured
 from .common import Fields, Mapped, resolve_file
 
 __all__ = ["read_accelerate", "read_deepspeed", "read_deepspeed_file", "read_fsdp"]

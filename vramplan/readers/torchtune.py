@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..inputs import read_text
+from ..setup.inputs import read_text
 from .common import TORCH_COMPILE_WHY, Fields, Mapped
 
 __all__ = ["MODELS", "read_torchtune"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SpecError
+from ..util.errors import SpecError
 from .common import TORCH_COMPILE_WHY, Fields, Mapped, attn_from_name, optimizer_from_name
 from .hf_fields import TRAINING_ARGUMENTS, TRANSFORMERS_VERSION, TRL_FIELDS, TRL_VERSION
 from .launch import read_deepspeed_file, read_fsdp
@@ -334,7 +334,7 @@ def layer_split(f: Fields, m: Mapped) -> None:
     kwargs to ``create_model_from_path`` -> ``from_pretrained``, trl/trainer/utils.py, unless the
     run is distributed: MULTI_GPU/DEEPSPEED set ``device_map=None``, and from_pretrained then
     ignores ``max_memory``). The caps give the GPU count; ``cpu``/``disk`` budgets are refused
-    (vramplan/max_memory.py). A ``device_map`` without caps: :func:`_device_map_alone`."""
+    (vramplan/setup/max_memory.py). A ``device_map`` without caps: :func:`_device_map_alone`."""
     kwargs = _dict_field(f, "model_init_kwargs")
     if kwargs is None:
         return
@@ -353,7 +353,7 @@ def layer_split(f: Fields, m: Mapped) -> None:
         return
     if not isinstance(caps, dict):
         raise kwargs.bad("max_memory", "a mapping of GPU index to size ({0: 20GiB, 1: 24GiB})", caps)
-    from ..max_memory import parse_max_memory
+    from ..setup.max_memory import parse_max_memory
 
     try:
         parsed = parse_max_memory(",".join(f"{k}={v}" for k, v in caps.items()), where)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from ..inputs import load_structured, read_text
+from ..setup.inputs import load_structured, read_text
 from ..specs import SpecError
 from .common import Mapped, resolve_file
 from .hf_fields import TRAINING_ARGUMENTS, TRL_FIELDS

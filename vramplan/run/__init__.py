@@ -1,9 +1,13 @@
-"""The torch side: the tracer (fake tensors), the live-tensor counter, and the truths built on it
-(a real CPU step, N-process DeepSpeed/FSDP/DDP runs, the measuring worker).
+"""The product's torch side: the tracer (fake tensors, ``vramplan trace``), the live-tensor counter,
+the measuring worker and its launcher (``vramplan measure``), the callback the emitted train.py and
+users' trainers run, and the stand-ins for CUDA's code paths they share.
 
 Everything under ``vramplan.run`` may import torch; nothing on the estimate path imports it. This
 package's own ``__init__`` imports nothing heavy: the launchers (:mod:`vramplan.run.launch`,
-:mod:`vramplan.run.ranks`) use its helpers without loading torch.
+:mod:`vramplan.truths.ranks`) use its helpers without loading torch. The truths that verify the
+estimate run on this package from :mod:`vramplan.truths`.
+
+May import: util, specs, setup, estimator.
 """
 
 import glob as _glob

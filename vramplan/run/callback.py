@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_write_text
+from ..util.fileio import atomic_write_text
 from .device_memory import DeviceMemory, cuda_peaks
 from .live import LiveTensorCounter
 
@@ -121,7 +121,7 @@ class Measure:
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         import torch
 
-        from .cpu_truth import quant_state_tensors
+        from .cuda_paths import quant_state_tensors
 
         if self.device == "cpu" and optimizer is not None and self.cpu_foreach:
             for group in optimizer.param_groups:  # torch's default on CUDA

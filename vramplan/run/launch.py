@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_write_text
+from ..util.fileio import atomic_write_text
 from . import free_port, release_deepspeed_shm
 
 #: Seconds between SIGTERM and SIGKILL when a run is stopped.

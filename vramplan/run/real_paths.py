@@ -1,7 +1,7 @@
 """The tracer's stand-ins: what makes a step on fake CPU tensors take the code path (and keep the
 tensors) of a real eager CUDA step. :func:`real_code_paths` patches transformers' export-tracing
 checks, SDPA and dropout for the duration of a trace; :func:`autocast_inputs` and
-:func:`padding_mask` are shared with the CPU truth (:mod:`vramplan.run.cpu_truth`).
+:func:`padding_mask` are shared with the CPU truth (:mod:`vramplan.truths.cpu_truth`).
 """
 
 from __future__ import annotations

@@ -187,9 +187,9 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                            "it needs a real run (the measured tier)")
     if setup.zero_stage or setup.gpus > 1:
         raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; it needs a real run (the measured tier)")
-    if setup.objective != "sft":  # the DPO/GRPO step is traced by run/objective_trace.py
+    if setup.objective != "sft":  # the DPO/GRPO step is traced by truths/objective_trace.py
         raise NotTraceable(f"--objective {setup.objective} is traced by `vramplan validate --knob "
-                           f"{setup.objective}` (vramplan/run/objective_trace.py), not by trace")
+                           f"{setup.objective}` (vramplan/truths/objective_trace.py), not by trace")
     if setup.precision in ("bf16-mixed", "fp16-mixed"):
         dtype = torch.float32
         autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setup.precision]
@@ -420,7 +420,7 @@ def trace(
     against a full-depth trace. Families mixing layer types (Gemma2/3 sliding and full attention)
     are extrapolated per type: one extra trace adds a layer of each type to the base.
     """
-    from ..setup_checks import check
+    from ..setup.checks import check
 
     check(model, setup)  # a setup peft or transformers would refuse fails here, in one line
     require_torch()

@@ -26,7 +26,7 @@ added to the Trainer's callbacks. What is measured:
 - step time and tokens/s from the steps after the counted ones (or the counted ones, flagged).
 
 CPU runs take the code path a CUDA run takes where the two differ in memory, as the tracer does:
-SDPA runs the stand-in for CUDA's fused kernels (:func:`vramplan.run.cpu_truth.cuda_kernels`; the
+SDPA runs the stand-in for CUDA's fused kernels (:func:`vramplan.run.cuda_paths.cuda_kernels`; the
 CPU math kernel would keep s^2 scores) and torch optimizers use their ``foreach`` kernels (torch's
 default on CUDA, not on CPU).
 
@@ -49,7 +49,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_write_text
+from ..util.fileio import atomic_write_text
 from . import free_port, release_deepspeed_shm
 from .callback import Measure, make_callback
 from .device_memory import DeviceMemory, emulation_fraction
@@ -148,7 +148,7 @@ def run(request: dict) -> dict[str, Any]:
         _single_process_env()
     stack = contextlib.ExitStack()
     if request["device"] == "cpu":
-        from .cpu_truth import cuda_kernels
+        from .cuda_paths import cuda_kernels
 
         stack.enter_context(cuda_kernels())
     t0 = time.perf_counter()

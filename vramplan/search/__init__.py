@@ -3,13 +3,13 @@ the others fail.
 
 ``plan(model, gpu, **constraints)`` searches every Setup knob the user left free, judging memory
 with :func:`vramplan.estimator.estimate` only (never a formula of its own) and speed with
-:mod:`vramplan.cost`. The space is not enumerated blindly:
+:mod:`vramplan.cost.model`. The space is not enumerated blindly:
 
 1. **Families** (method x base quantization x LoRA rank) are searched one by one. The rank is
    the user's (``--lora-rank``, default 16; a range ``8..64`` is searched at its ends and the
    powers of two between). Each family's memory-saving knobs (checkpointing, 8-bit optimizer,
    ZeRO stage, FSDP, CPU/NVMe offload, attention) form *saver configurations*, those the
-   compatibility table (:mod:`vramplan.compat`) knows not to run left out.
+   compatibility table (:mod:`vramplan.setup.compat`) knows not to run left out.
 2. **Residency classes** (:func:`.rank.placement`: GPU-resident; a distributed engine on one GPU;
    CPU offload; NVMe offload) are searched apart, so a faster offload plan never hides a resident one.
 3. **Monotone feasibility**: within one placement, turning a saver on never adds memory, so the
@@ -54,6 +54,8 @@ knobs), :mod:`.verdicts` (typed candidates and misfits), :mod:`.evaluate` (memor
 the caches), :mod:`.core` (the search), :mod:`.rank` (the objective), :mod:`.relax` ("what would
 fit"), :mod:`.explain` (every word of the plan), :mod:`.labels` (names of things) and
 :mod:`.planner` (``plan()``).
+
+May import: util, specs, model, setup, estimator, cost.
 """
 
 from .core import Result, Search

@@ -3,12 +3,13 @@
 :class:`Evaluator` holds a search's caches: the estimates it ran, the setups that failed (kept
 for the why-not lines) and, per setup but its rank, the lowest rank known to fail.
 Memory is :func:`vramplan.estimator.estimate` only (never a formula of its own); speed is
-:mod:`vramplan.cost`.
+:mod:`vramplan.cost.model`.
 """
 
 from __future__ import annotations
 
-from .. import cost, cost_objectives
+from ..cost import model as cost
+from ..cost import objectives as cost_objectives
 from ..estimator import estimate
 from ..estimator.vllm_share import vllm_share
 from ..specs import Breakdown, ModelSpec, Setup
@@ -69,7 +70,7 @@ class Evaluator:
         return k
 
     def step(self, setup: Setup) -> cost.StepCost:
-        # DPO/GRPO: the policy's rows plus the reference forward and generation (vramplan/cost_objectives.py)
+        # DPO/GRPO: the policy's rows plus the reference forward and generation (vramplan/cost/objectives.py)
         c = self._steps.get(setup)
         if c is None:
             c = self._steps[setup] = cost_objectives.step_cost(self.model, setup, self.target.gpu, self.target.nodes,

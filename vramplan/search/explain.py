@@ -7,7 +7,7 @@ All the planner's prose is rendered here from typed values (:class:`~.verdicts.M
 from __future__ import annotations
 
 from ..specs import Alternative, GpuSpec, Note, Rejected
-from ..units import GiB, gib
+from ..util.units import GiB, gib
 from .core import Result
 from .explain_cp import cp_notes
 from .explain_objectives import objective_notes
@@ -384,9 +384,9 @@ def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, 
         notes.append(Note(f"{dataset_tokens:,} tokens take about {duration(secs)} at "
                           f"{chosen.tokens_per_s:,.0f} tokens/s",
                           "duration"))
-    notes.append(Note("speed: first-order cost model (vramplan.cost: the card's dense TFLOP/s at a modelled "
+    notes.append(Note("speed: first-order cost model (vramplan.cost.model: the card's dense TFLOP/s at a modelled "
                       "utilisation, offload and communication over its links"
-                      + ("; DPO/GRPO phases: vramplan.cost_objectives" if chosen.setup.objective != "sft" else "")
+                      + ("; DPO/GRPO phases: vramplan.cost.objectives" if chosen.setup.objective != "sft" else "")
                       + "); memory: the analytic estimate", "speed_model"))
     notes += objective_notes(result, chosen, misfit_text)  # DPO/GRPO: the phases' time, the reference, vLLM's share
     notes += [Note(n, "estimate") for n in bd.notes if n not in notes]

@@ -1,6 +1,6 @@
 """A DPO/GRPO plan in words: the step's time by phase, what tokens/s counts, and why this reference
 (DPO) or this generation engine and share of the card for vLLM (GRPO). Rendered from typed values:
-:class:`~vramplan.cost_objectives.ObjectiveCost`, :class:`~vramplan.estimator.vllm_share.VllmShare`
+:class:`~vramplan.cost.objectives.ObjectiveCost`, :class:`~vramplan.estimator.vllm_share.VllmShare`
 and the evaluator's verdicts of the chosen plan with the other choices."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ..cost_objectives import objective_cost
+from ..cost.objectives import objective_cost
 from ..estimator.objectives import lengths, reference
 from ..estimator.vllm_share import VllmShare, smallest_fraction, vllm_share
 from ..specs import Note

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .. import cost
-from ..cost_parallel import shard_group
+from ..cost import model as cost
+from ..cost.parallel import shard_group
 from ..estimator.tensor_parallel import check_tp
 from ..estimator.tp_fsdp2 import combined
 from ..specs import Note, Rejected, Setup, SpecError

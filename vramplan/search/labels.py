@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..estimator.objectives import reference
 from ..specs import Setup
-from ..units import GiB
+from ..util.units import GiB
 
 
 def size(n: float) -> str:

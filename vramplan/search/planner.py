@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
-from ..inputs import resolve_gpu
+from ..setup.inputs import resolve_gpu
 from ..specs import GpuSpec, ModelSpec, Plan, SpecError
 from . import explain
 from .core import Search
@@ -37,7 +37,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
     spec = _resolve_model(model)
     card = _resolve_gpu(gpu)
     if isinstance(host_ram, str):
-        from ..units import parse_bytes
+        from ..util.units import parse_bytes
 
         try:
             host_ram = parse_bytes(host_ram)
@@ -137,8 +137,8 @@ def host_ram_for(card: GpuSpec, gpus: int, nodes: int, given: int | None) -> tup
     if given is not None:
         return given, "given"
     if nodes == 1:
-        from ..machine import local_gpu_names, local_ram_bytes
-        from ..profiles import load_gpu
+        from ..model.profiles import load_gpu
+        from ..util.machine import local_gpu_names, local_ram_bytes
 
         here = []
         for name in local_gpu_names():
@@ -155,13 +155,13 @@ def host_ram_for(card: GpuSpec, gpus: int, nodes: int, given: int | None) -> tup
 def _resolve_model(model: ModelSpec | str) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
-    from ..profiles import load_model
+    from ..model.profiles import load_model
 
     return load_model(model)
 
 
 def _resolve_gpu(gpu: GpuSpec | str | int) -> GpuSpec:
-    """``plan``'s GPU argument, through :func:`vramplan.inputs.resolve_gpu`."""
+    """``plan``'s GPU argument, through :func:`vramplan.setup.inputs.resolve_gpu`."""
     if isinstance(gpu, bool) or not isinstance(gpu, (GpuSpec, str, int, dict)):
         raise SpecError(f"gpu must be a GPU name, a GpuSpec or a size in bytes; got {gpu!r}")
     return resolve_gpu(gpu)

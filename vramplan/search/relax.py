@@ -111,7 +111,7 @@ def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[s
         if n // 2 >= 2 and n // 2 in floors and 2 * floors[n] - floors[n // 2] > target.gpu.usable_memory_bytes:
             break
     # a bigger card
-    from ..profiles import gpus as shipped
+    from ..model.profiles import gpus as shipped
 
     for card in sorted(shipped(), key=lambda g: g.usable_memory_bytes):
         # skip cards below the floor (10 % slack: the device overheads may differ per card)

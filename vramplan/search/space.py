@@ -10,14 +10,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..compat import known_failures, runs
 from ..estimator.eval_step import eval_unmodelled
 from ..estimator.hybrid_shard import check_hybrid
 from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
 from ..estimator.layer_split import check_supported as layer_split_supported
 from ..estimator.liger import LIGER_FAMILIES
 from ..estimator.selective import check_selective
-from ..setup_checks import check, check_activation_offload, check_fsdp2
+from ..setup.checks import check, check_activation_offload, check_fsdp2
+from ..setup.compat import known_failures, runs
 from ..specs import ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
 from .space_cp import cp_splits
@@ -193,7 +193,7 @@ class Space:
                         except SpecError:
                             continue
                         if not runs(s, self.model):
-                            continue  # known not to run with the pinned libraries (vramplan.compat)
+                            continue  # known not to run with the pinned libraries (vramplan.setup.compat)
                         if eval_unmodelled(s):  # --eval-batch: only where the eval step is modelled
                             continue
                         out += [c for o in self.offload_choices(s) for c in self.in_backward_choices(o)]

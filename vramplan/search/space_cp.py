@@ -5,7 +5,7 @@ holds the activations, logits and loss of ``seq / cp`` tokens: what lets a step 
 at the full sequence does not. Pure: Setups in, Setups out. Proposed for every ``cp >= 2`` dividing
 the GPUs where the estimator models it (check_cp: FSDP2 over all the GPUs, SDPA, a 16-bit base,
 ``seq`` divisible by ``2 x cp``), with and without checkpointing, with the optimizer the FSDP2 truth
-runs (torch AdamW); the cost model prices its ring (vramplan/cost_cp.py), so the smallest ``cp`` that
+runs (torch AdamW); the cost model prices its ring (vramplan/cost/cp.py), so the smallest ``cp`` that
 fits wins and plain FSDP2 wins wherever it fits. Not beside a fixed placement (``--zero``,
 ``--offload-*``, ``--fsdp``, ``--tp``), several nodes, or a fixed per-GPU batch (a CP group shares
 one micro-batch).
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..compat import runs
 from ..estimator.context_parallel import check_cp
 from ..estimator.eval_step import eval_unmodelled
-from ..setup_checks import check
+from ..setup.checks import check
+from ..setup.compat import runs
 from ..specs import Setup, SpecError
 
 _PLACEMENT = ("zero_stage", "offload_optimizer", "offload_params", "fsdp", "fsdp_version", "dp_replicate", "tp",

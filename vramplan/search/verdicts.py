@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .. import cost
+from ..cost import model as cost
 from ..specs import Breakdown, Setup
 
 #: ``gpu``: the device total is over the GPU's usable memory; ``error_band``: it is under it but

@@ -1,0 +1,448 @@
+"""config.json -> ModelSpec: exact parameter accounting for the families transformers ships.
+
+Each family function reads the config keys transformers' own modeling code reads (with the same
+defaults its config class has) and lists every Linear by module name, so LoRA targets and
+parameter counts come out exactly; ``tests/test_architecture.py`` builds every shipped profile on
+the meta device and asserts equality with ``sum(p.numel())``. Unknown ``model_type``s fall back to
+the structure of the model built on the meta device (needs the ``run`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ..specs import SpecError
+from .modelspec import (
+    FamilyTraits,
+    LinearSpec,
+    MlaDims,
+    ModelSpec,
+    MoeSpec,
+    truncate_config,
+)
+
+_Builder = Callable[[dict, str, str], ModelSpec]
+FAMILIES: dict[str, _Builder] = {}
+
+
+def _family(*names: str):
+    def deco(fn: _Builder) -> _Builder:
+        for n in names:
+            FAMILIES[n] = fn
+        return fn
+
+    return deco
+
+
+def _req(cfg: dict, *keys: str) -> int:
+    for k in keys:
+        v = cfg.get(k)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise SpecError(f"config.json: {k} must be a positive integer; got {v!r}")
+            return int(v)
+    raise SpecError(f"config.json is missing {keys[0]!r} (model_type {cfg.get('model_type')!r})")
+
+
+def _act(cfg: dict, key: str = "hidden_act", default: str = "silu") -> str:
+    act = str(cfg.get(key) or default)
+    if act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_fast"):
+        return "gelu_tanh"
+    return act
+
+
+class _Layers:
+    """Collects Linear specs and other parameter counts while a family describes its layers."""
+
+    def __init__(self, prefix: str, num_layers: int) -> None:
+        self.prefix = prefix
+        self.L = num_layers
+        self.linears: list[LinearSpec] = []
+        self.other: dict[str, int] = {}
+
+    def linear(self, path: str, d_in: int, d_out: int, bias: bool, role: str, count: int | None = None,
+               top: bool = False) -> None:
+        full = path if top else f"{self.prefix}.*.{path}"
+        self.linears.append(LinearSpec(path.rsplit(".", 1)[-1], full, d_in, d_out, bool(bias),
+                                       self.L if count is None else count, role))
+
+    def add(self, name: str, n: int) -> None:
+        if n:
+            self.other[name] = self.other.get(name, 0) + n
+
+
+def _spec(cfg: dict, name: str, source: str, lay: _Layers, **kw) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        model_type=cfg["model_type"],
+        config=cfg,
+        linears=tuple(lay.linears),
+        other_params=tuple(lay.other.items()),
+        source=source,
+        **kw,
+    )
+
+
+def _head(cfg: dict, lay: _Layers, V: int, h: int, tie_default: bool, bias: bool = False) -> bool:
+    tie = bool(cfg.get("tie_word_embeddings", tie_default))
+    if not tie:
+        lay.linear("lm_head", h, V, bias, "head", count=1, top=True)
+    return tie
+
+
+# ----------------------------------------------------------------------------------------------
+# Llama-shaped decoders: embed, L x (attn + mlp + norms), final norm, head
+
+
+@_family(
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "cohere",
+    "stablelm", "starcoder2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+)
+def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
+    mt = cfg["model_type"]
+    V, h, L = _req(cfg, "vocab_size"), _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers")
+    a = _req(cfg, "num_attention_heads")
+    kvh = int(cfg.get("num_key_value_heads") or a)
+    if a % kvh:
+        raise SpecError(f"config.json: num_attention_heads ({a}) is not a multiple of num_key_value_heads ({kvh})")
+    hd = int(cfg.get("head_dim") or h // a)
+    i = int(cfg.get("intermediate_size") or 0)
+    lay = _Layers("model.layers", L)
+    rms, ln, ln_nobias = "rmsnorm", "layernorm", "layernorm_nobias"
+    norm_kind, norms_per_layer, act, mlp_kind = rms, 2, _act(cfg), "gated"
+    qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    tie_default = mt in ("gemma", "gemma2", "gemma3_text", "cohere", "starcoder2")
+    default_attn = "sdpa"
+    qk_norm = 0  # parameters of q/k norms per layer
+    moe = None
+
+    if mt == "qwen2":
+        qkv_bias, o_bias = True, False
+    elif mt in ("gemma", "gemma2", "gemma3_text"):
+        act = _act(cfg, "hidden_activation" if cfg.get("hidden_activation") else "hidden_act", "gelu_pytorch_tanh")
+        if act == "gelu":  # transformers maps Gemma's legacy "gelu" to the tanh approximation
+            act = "gelu_tanh"
+        hd = int(cfg.get("head_dim") or 256)
+        if mt != "gemma":
+            norms_per_layer = 4
+        if mt == "gemma2":
+            default_attn = "eager"
+        if mt == "gemma3_text":
+            qk_norm = 2 * hd
+    elif mt in ("qwen3", "qwen3_moe"):
+        qk_norm = 2 * hd
+    elif mt == "qwen2_moe":
+        qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
+    elif mt == "olmo2":
+        qk_norm = a * hd + kvh * hd
+    elif mt == "cohere":
+        norm_kind, norms_per_layer = ln_nobias, 1
+        if cfg.get("use_qk_norm"):
+            qk_norm = a * hd + kvh * hd
+    elif mt == "stablelm":
+        norm_kind = ln
+        qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
+        norms_per_layer = 1 if cfg.get("use_parallel_residual") else 2
+        if cfg.get("qk_layernorm"):
+            qk_norm = a * hd + kvh * hd  # per-head LayerNorms without bias
+    elif mt == "starcoder2":
+        norm_kind, mlp_kind = ln, "plain"
+        qkv_bias = o_bias = mlp_bias = bool(cfg.get("use_bias", True))
+        act = _act(cfg, default="gelu_pytorch_tanh")
+    elif mt == "phi3":
+        qkv_bias = o_bias = False
+
+    # attention
+    if mt == "phi3":
+        lay.linear("self_attn.qkv_proj", h, a * hd + 2 * kvh * hd, False, "attn")
+    else:
+        lay.linear("self_attn.q_proj", h, a * hd, qkv_bias, "attn")
+        lay.linear("self_attn.k_proj", h, kvh * hd, qkv_bias, "attn")
+        lay.linear("self_attn.v_proj", h, kvh * hd, qkv_bias, "attn")
+    lay.linear("self_attn.o_proj", a * hd, h, o_bias, "attn")
+    lay.add("qk_norms", qk_norm * L)
+
+    # mlp (dense, MoE, or a mix)
+    if mt in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        E = _req(cfg, "num_local_experts", "num_experts")
+        k = _req(cfg, "num_experts_per_tok")
+        ei = _req(cfg, "intermediate_size") if mt == "mixtral" else _req(cfg, "moe_intermediate_size")
+        if mt == "mixtral":
+            moe_layers = list(range(L))
+        else:
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            only = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = [l for l in range(L) if l not in only and (l + 1) % step == 0]
+        nm, nd = len(moe_layers), L - len(moe_layers)
+        shared_i = int(cfg.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+        lay.add("experts", nm * (E * 2 * ei * h + E * h * ei))
+        lay.add("router", nm * E * h)
+        if shared_i:
+            lay.linear("mlp.shared_expert.gate_proj", h, shared_i, False, "shared_expert", nm)
+            lay.linear("mlp.shared_expert.up_proj", h, shared_i, False, "shared_expert", nm)
+            lay.linear("mlp.shared_expert.down_proj", shared_i, h, False, "shared_expert", nm)
+            lay.linear("mlp.shared_expert_gate", h, 1, False, "router", nm)
+        if nd:
+            lay.linear("mlp.gate_proj", h, i, False, "mlp", nd)
+            lay.linear("mlp.up_proj", h, i, False, "mlp", nd)
+            lay.linear("mlp.down_proj", i, h, False, "mlp", nd)
+        moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
+                      shared_expert_intermediate_size=shared_i, gated_shared_expert=bool(shared_i),
+                      norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "mixtral")), moe_layers=tuple(moe_layers))
+    elif mt == "phi3":
+        lay.linear("mlp.gate_up_proj", h, 2 * _req(cfg, "intermediate_size"), False, "mlp")
+        lay.linear("mlp.down_proj", i, h, False, "mlp")
+    elif mlp_kind == "plain":
+        lay.linear("mlp.c_fc", h, _req(cfg, "intermediate_size"), mlp_bias, "mlp")
+        lay.linear("mlp.c_proj", i, h, mlp_bias, "mlp")
+    else:
+        i = _req(cfg, "intermediate_size")
+        lay.linear("mlp.gate_proj", h, i, mlp_bias, "mlp")
+        lay.linear("mlp.up_proj", h, i, mlp_bias, "mlp")
+        lay.linear("mlp.down_proj", i, h, mlp_bias, "mlp")
+
+    per_norm = 2 * h if norm_kind == ln else h
+    lay.add("norms", (norms_per_layer * L + 1) * per_norm)
+    lay.add("embed_tokens", V * h)
+    tie = _head(cfg, lay, V, h, tie_default)
+    return _spec(
+        cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=kvh,
+        head_dim=hd, intermediate_size=i, max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        tie_word_embeddings=tie, mlp_kind=mlp_kind, activation=act, norm_kind=norm_kind,
+        default_attn=default_attn, moe=moe, family=mt,
+    )
+
+
+@_family("deepseek_v2")
+def _deepseek_v2(cfg: dict, name: str, source: str) -> ModelSpec:
+    V, h, L = _req(cfg, "vocab_size"), _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers")
+    a = _req(cfg, "num_attention_heads")
+    kvh = int(cfg.get("num_key_value_heads") or a)
+    nope, rope, vd = _req(cfg, "qk_nope_head_dim"), _req(cfg, "qk_rope_head_dim"), _req(cfg, "v_head_dim")
+    kv_rank = _req(cfg, "kv_lora_rank")
+    q_rank = cfg.get("q_lora_rank", 1536)  # DeepseekV2Config's default when the key is absent
+    bias = bool(cfg.get("attention_bias", False))
+    lay = _Layers("model.layers", L)
+    if q_rank:
+        lay.linear("self_attn.q_a_proj", h, q_rank, bias, "attn")
+        lay.add("norms", q_rank * L)
+        lay.linear("self_attn.q_b_proj", q_rank, a * (nope + rope), False, "attn")
+    else:
+        lay.linear("self_attn.q_proj", h, a * (nope + rope), False, "attn")
+    lay.linear("self_attn.kv_a_proj_with_mqa", h, kv_rank + rope, bias, "attn")
+    lay.add("norms", kv_rank * L)
+    lay.linear("self_attn.kv_b_proj", kv_rank, a * (nope + vd), False, "attn")
+    lay.linear("self_attn.o_proj", a * vd, h, bias, "attn")
+
+    i = _req(cfg, "intermediate_size")
+    E, k, ei = _req(cfg, "n_routed_experts"), _req(cfg, "num_experts_per_tok"), _req(cfg, "moe_intermediate_size")
+    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+    nd = min(first_dense, L)
+    nm = L - nd
+    shared = int(cfg.get("n_shared_experts") or 0) * ei
+    if nd:
+        lay.linear("mlp.gate_proj", h, i, False, "mlp", nd)
+        lay.linear("mlp.up_proj", h, i, False, "mlp", nd)
+        lay.linear("mlp.down_proj", i, h, False, "mlp", nd)
+    lay.add("experts", nm * E * 3 * ei * h)
+    lay.add("router", nm * E * h)  # DeepseekV2TopkRouter keeps its weight in fp32
+    fp32 = nm * E * h
+    if shared and nm:
+        lay.linear("mlp.shared_experts.gate_proj", h, shared, False, "shared_expert", nm)
+        lay.linear("mlp.shared_experts.up_proj", h, shared, False, "shared_expert", nm)
+        lay.linear("mlp.shared_experts.down_proj", shared, h, False, "shared_expert", nm)
+    lay.add("norms", (2 * L + 1) * h)
+    lay.add("embed_tokens", V * h)
+    tie = _head(cfg, lay, V, h, False)
+    moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
+                  shared_expert_intermediate_size=shared, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                  moe_layers=tuple(range(nd, L)))
+    return _spec(
+        cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=kvh,
+        head_dim=nope + rope, intermediate_size=i, max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        tie_word_embeddings=tie, mlp_kind="gated", activation=_act(cfg), norm_kind="rmsnorm",
+        default_attn="sdpa", moe=moe, family="deepseek_v2", fp32_params=fp32,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-style decoders with LayerNorm and biases
+
+
+@_family("gpt_neox")
+def _gpt_neox(cfg: dict, name: str, source: str) -> ModelSpec:
+    V, h, L = _req(cfg, "vocab_size"), _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers")
+    a = _req(cfg, "num_attention_heads")
+    i = _req(cfg, "intermediate_size")
+    bias = bool(cfg.get("attention_bias", True))
+    lay = _Layers("gpt_neox.layers", L)
+    lay.linear("attention.query_key_value", h, 3 * h, bias, "attn")
+    lay.linear("attention.dense", h, h, bias, "attn")
+    lay.linear("mlp.dense_h_to_4h", h, i, True, "mlp")
+    lay.linear("mlp.dense_4h_to_h", i, h, True, "mlp")
+    lay.add("norms", (2 * L + 1) * 2 * h)
+    lay.add("embed_tokens", V * h)
+    tie = bool(cfg.get("tie_word_embeddings", False))
+    if not tie:
+        lay.linear("lm_head", h, V, False, "head", count=1, top=True)
+    return _spec(
+        cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=a,
+        head_dim=h // a, intermediate_size=i, max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        tie_word_embeddings=tie, mlp_kind="plain", activation=_act(cfg, default="gelu"), norm_kind="layernorm",
+        default_attn="sdpa", family="gpt_neox",
+    )
+
+
+@_family("gpt2")
+def _gpt2(cfg: dict, name: str, source: str) -> ModelSpec:
+    V, h, L = _req(cfg, "vocab_size"), _req(cfg, "n_embd", "hidden_size"), _req(cfg, "n_layer", "num_hidden_layers")
+    a = _req(cfg, "n_head", "num_attention_heads")
+    P = _req(cfg, "n_positions", "max_position_embeddings")
+    i = int(cfg.get("n_inner") or 4 * h)
+    lay = _Layers("transformer.h", L)
+    lay.linear("attn.c_attn", h, 3 * h, True, "attn")
+    lay.linear("attn.c_proj", h, h, True, "attn")
+    lay.linear("mlp.c_fc", h, i, True, "mlp")
+    lay.linear("mlp.c_proj", i, h, True, "mlp")
+    lay.add("norms", (2 * L + 1) * 2 * h)
+    lay.add("embed_tokens", V * h)
+    lay.add("embed_positions", P * h)
+    tie = _head(cfg, lay, V, h, True)
+    return _spec(
+        cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=a,
+        head_dim=h // a, intermediate_size=i, max_position_embeddings=P, tie_word_embeddings=tie,
+        mlp_kind="plain", activation=_act(cfg, "activation_function", "gelu_new"), norm_kind="layernorm",
+        default_attn="sdpa", family="gpt2",
+    )
+
+
+@_family("gptj")
+def _gptj(cfg: dict, name: str, source: str) -> ModelSpec:
+    V, h, L = _req(cfg, "vocab_size"), _req(cfg, "n_embd", "hidden_size"), _req(cfg, "n_layer", "num_hidden_layers")
+    a = _req(cfg, "n_head", "num_attention_heads")
+    i = int(cfg.get("n_inner") or 4 * h)
+    lay = _Layers("transformer.h", L)
+    for p in ("q_proj", "k_proj", "v_proj"):
+        lay.linear(f"attn.{p}", h, h, False, "attn")
+    lay.linear("attn.out_proj", h, h, False, "attn")
+    lay.linear("mlp.fc_in", h, i, True, "mlp")
+    lay.linear("mlp.fc_out", i, h, True, "mlp")
+    lay.add("norms", (L + 1) * 2 * h)
+    lay.add("embed_tokens", V * h)
+    tie = _head(cfg, lay, V, h, False, bias=True)
+    return _spec(
+        cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=a,
+        head_dim=h // a, intermediate_size=i, max_position_embeddings=int(cfg.get("n_positions") or 0),
+        tie_word_embeddings=tie, mlp_kind="plain", activation=_act(cfg, "activation_function", "gelu_new"),
+        norm_kind="layernorm", default_attn="sdpa", family="gptj",
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def model_spec_from_config(config: dict, *, name: str | None = None, source: str = "") -> ModelSpec:
+    """Build a ModelSpec from an HF config dict (the parsed config.json), its family traits included."""
+    from .rawinput import check_model_config  # the input layer: kinds and bounds of every value read here
+
+    where = source if source and not source.startswith(("profile:", "hub:")) else "config.json"
+    mt = check_model_config(config, where)["model_type"]
+    if isinstance(config.get("text_config"), dict) and mt not in FAMILIES:
+        raise SpecError(f"model_type {mt!r} is multimodal; pass its text model's config (text_config)")
+    name = name or str(config.get("_name_or_path") or mt)
+    builder = FAMILIES.get(mt)
+    if builder is None:
+        from ..run.meta import model_spec_from_meta
+
+        spec = model_spec_from_meta(config, name=name, source=source)
+    else:
+        spec = builder(config, name, source)
+    return dataclasses.replace(spec, traits=family_traits(spec))
+
+
+def with_layers(spec: ModelSpec, num_layers: int) -> ModelSpec:
+    """A truncated copy of ``spec`` with ``num_layers`` decoder layers (for tests and tracing)."""
+    cfg = truncate_config(spec.config, num_layers)
+    return model_spec_from_config(cfg, name=f"{spec.name}[:{num_layers}]", source=spec.source)
+
+
+# ----------------------------------------------------------------------------------------------
+# Family traits: the config keys that change what autograd saves (vramplan/estimator/activations.py)
+
+
+def _p(cfg: dict, *keys: str) -> float:
+    return max(float(cfg.get(k) or 0.0) for k in keys)
+
+
+def family_traits(spec: ModelSpec) -> FamilyTraits:
+    """The traits of ``spec``'s family, from its config (``spec.config``) and its built shape:
+    norm style and count, parallel blocks, fused q/k/v, RoPE, q/k norms, dropout masks, sliding
+    window layers, soft-capping and DeepSeek-V2's latent attention widths."""
+    f, cfg = spec.family, spec.config
+    norm = {"gemma": "rms_fp32_mul", "gemma2": "rms_fp32_mul", "gemma3_text": "rms_fp32_mul",
+            "olmo2": "rms_fp32_mul", "cohere": "cohere"}.get(f, "layernorm" if spec.norm_kind == "layernorm" else "rms")
+    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "gptj": 1}.get(f, 2)
+    parallel = f in ("cohere", "gptj") or (f == "stablelm" and bool(cfg.get("use_parallel_residual")))
+    if f == "stablelm" and parallel:
+        norms = 1
+    qk_rows = 0
+    if f in ("qwen3", "qwen3_moe", "gemma3_text"):
+        qk_rows = spec.num_heads + spec.num_kv_heads
+    elif f == "olmo2":
+        qk_rows = 2
+    masks, embed_drop = 0, False
+    if f in ("gpt2", "gptj", "phi3"):
+        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
+    elif f == "starcoder2":
+        masks, embed_drop = 2 * (_p(cfg, "residual_dropout") > 0), _p(cfg, "embedding_dropout") > 0
+    elif f == "gpt_neox":
+        masks = 2 * (_p(cfg, "hidden_dropout") > 0)
+    elif f == "stablelm":
+        masks = 1 * (_p(cfg, "hidden_dropout") > 0)
+    mla = None
+    if f == "deepseek_v2":
+        mla = MlaDims(qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                      v_head_dim=cfg["v_head_dim"], kv_lora_rank=cfg["kv_lora_rank"],
+                      q_lora_rank=cfg.get("q_lora_rank", 1536) or 0)
+    return FamilyTraits(
+        norm=norm, norms_per_layer=norms, shared_norm=parallel,
+        fused_qkv=any(l.name in ("qkv_proj", "query_key_value", "c_attn") for l in spec.linears),
+        rope=f != "gpt2", rope_bytes=4 if f == "olmo2" else 0, rope_dim=_rope_dim(spec),
+        qk_norm_rows=qk_rows, dropout_masks_per_layer=masks, embedding_dropout=embed_drop,
+        sliding_window=int(cfg.get("sliding_window") or 0), sliding_layers=_sliding_layers(spec),
+        attn_softcapping=bool(cfg.get("attn_logit_softcapping")) and f == "gemma2",
+        final_logit_softcapping=bool(cfg.get("final_logit_softcapping")), mla=mla,
+    )
+
+
+def _sliding_layers(spec: ModelSpec) -> int:
+    """Layers with sliding-window attention, as transformers' config classes lay them out."""
+    cfg, L, f = spec.config, spec.num_layers, spec.family
+    if not cfg.get("sliding_window"):
+        return 0
+    if isinstance(cfg.get("layer_types"), list):
+        return sum(t == "sliding_attention" for t in cfg["layer_types"][:L])
+    if f == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return sum((i + 1) % pattern != 0 for i in range(L))
+    if f == "gemma2":
+        return sum(i % 2 == 0 for i in range(L))
+    if f in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        return 0 if not cfg.get("use_sliding_window") else L - min(L, int(cfg.get("max_window_layers") or L))
+    return L
+
+
+def _rope_dim(spec: ModelSpec) -> int | None:
+    """Width of the cos/sin tables where it is not the whole head (None)."""
+    cfg = spec.config
+    if spec.family == "gptj":
+        return int(cfg.get("rotary_dim") or spec.head_dim) // 2
+    if spec.family == "gpt_neox":
+        return int(spec.head_dim * float(cfg.get("rotary_pct", 1.0)))
+    if spec.family == "stablelm":
+        return int(spec.head_dim * float(cfg.get("partial_rotary_factor", 0.25)))
+    if spec.family == "deepseek_v2":
+        return int(cfg.get("qk_rope_head_dim") or spec.head_dim)
+    return None

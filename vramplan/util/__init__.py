@@ -1,0 +1,7 @@
+"""Shared utilities every stage stands on: the one table of bytes per element and byte formatting
+(``units``), the one user-facing error type (``errors``: ``SpecError``, one line, exit 2), atomic
+file writes (``fileio``), the library versions a record carries (``versions``, from package
+metadata, never an import) and this machine's GPU and RAM (``machine``, no torch).
+
+May import: nothing else of vramplan (the bottom layer).
+"""
