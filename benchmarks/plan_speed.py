@@ -46,6 +46,19 @@ CASES = [
     ("qwen2.5-7b", "a100-80gb", {"objective": "grpo", "num_generations": 8, "max_completion_length": 1024},
      ["--objective", "grpo", "--num-generations", "8", "--max-completion-length", "1024"]),
     ("qwen2.5-7b", "a100-80gb", {"objective": "dpo"}, ["--objective", "dpo"]),
+    # issue 28: the HF recipe offloads on a 12 GB card, so the plan also searches --framework trl for its note;
+    # --framework any plans three frameworks
+    ("qwen3-8b", "rtx-3060-12gb", {}, []),
+    ("qwen3-8b", "rtx-3060-12gb", {"framework": "any"}, ["--framework", "any"]),
+]
+
+#: Absurd but accepted inputs (issue 27): the command still answers within ABSURD_BAR_S.
+ABSURD_BAR_S = 2.0
+ABSURD = [
+    ["llama-3.1-8b", "--gpu", "rtx-4090", "--gpus", "65536"],
+    ["llama-3.1-70b", "--gpu", "h100-sxm", "--gpus", "65536", "--nodes", "8192"],
+    ["llama-3.1-8b", "--gpu", "rtx-4090", "--gpus", "16", "--seq", "1048576"],
+    ["qwen3-30b-a3b", "--gpu", "rtx-3060-12gb", "--gpus", "4096", "--global-batch", "1048576"],
 ]
 
 
@@ -99,6 +112,10 @@ def main() -> None:
         ok = "yes" if search_s < SEARCH_BAR_S and command_s < COMMAND_BAR_S else "NO"
         print(f"{model:<15} {gpu:<14} {' '.join(flags) or '-':<42} {search_s * 1000:>6.1f}ms {cpu_s * 1000:>6.1f}ms "
               f"{estimates:>9} {relax_cpu_s * 1000:>6.1f}ms {command_s:>7.3f}s  {chosen:<12} {ok}")
+    print(f"absurd inputs: `{' '.join(base)} plan ... --json`, median of {args.n} (bar {ABSURD_BAR_S} s)")
+    for flags in ABSURD:
+        command_s = statistics.median(time_command(base + ["plan", *flags, "--json"], args.n))
+        print(f"  {' '.join(flags):<80} {command_s:>7.3f}s  {'yes' if command_s < ABSURD_BAR_S else 'NO'}")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print("search/cpu/estimates: the search of the whole space (wall and CPU median); +relax: CPU time of the "
           "whole plan() including the 'what would fit' re-searches run when nothing fits; "

@@ -55,7 +55,7 @@ def what_if() -> None:
     """The effects the committed model implies for knobs the comparable rows do not vary."""
     from dataclasses import replace
 
-    from vramplan.cost.model import model as cost
+    from vramplan.cost import model as cost
     from vramplan.model.profiles import load_gpu, load_model
     from vramplan.specs import Setup
 
@@ -103,8 +103,8 @@ def main() -> None:
     print()
     shipped = compare(records)
     print_rows("committed cost model (vramplan/cost/model.py), tokens/s per GPU:", shipped)
-    from vramplan.cost.model import fit as cost_fit
-    from vramplan.cost.model import model as cost
+    from vramplan.cost import fit as cost_fit
+    from vramplan.cost import model as cost
 
     fit = cost_fit.fit(records)
     print("\nconstants: committed (vramplan/cost/model.py) vs refit on these rows (vramplan/cost/fit.py):")

@@ -23,6 +23,7 @@ CASES = [
 ]
 
 
+@pytest.mark.sample(4)  # the fast tier: every 4th case (each family and method across the sample)
 @pytest.mark.parametrize("family, model, method, ckpt, b, s", CASES,
                          ids=[f"{c[0]}-{c[2]}-ck{int(c[3])}-{c[4]}x{c[5]}" for c in CASES])
 def test_estimate_within_5_percent_of_trace(family, model, method, ckpt, b, s):
@@ -32,6 +33,7 @@ def test_estimate_within_5_percent_of_trace(family, model, method, ckpt, b, s):
                                     f"{row.traced_bytes:,} ({row.error:+.2%})")
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"])
 def test_canonical_step_within_2_percent_full_depth(model):
     for setup in (Setup(), Setup(method="lora"), Setup(checkpointing=True, batch=2),

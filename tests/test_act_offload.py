@@ -9,7 +9,7 @@ from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
 from vramplan.cli import main
-from vramplan.cost.model import model as cost
+from vramplan.cost import model as cost
 from vramplan.emit.frameworks import refusal
 from vramplan.emit.hf_configs import axolotl_config, trl_config
 from vramplan.estimator import estimate

@@ -47,6 +47,7 @@ def _expected_total(bd: dict, g: dict) -> int:
     return reserved + g["cuda_context_bytes"]
 
 
+@pytest.mark.slow  # the full tier
 def test_shipped_copy_is_the_committed_file_and_a_refit_reproduces_it(coefficients):
     assert shipped_coefficients().read_bytes() == COMMITTED.read_bytes(), \
         "profiles/coefficients.json differs from calibration/coefficients.json: run `vramplan calibrate`"

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from vramplan import Setup, load_gpu, load_model
-from vramplan.cost.model import model as cost
+from vramplan.cost import model as cost
 from vramplan.specs import GpuSpec
 
 
@@ -209,7 +209,7 @@ def test_lora_target_set_costs_traffic(llama, h100):
 
 
 def test_committed_constants_are_the_refit_of_the_committed_rows():
-    from vramplan.cost.model import fit as cost_fit
+    from vramplan.cost import fit as cost_fit
     from vramplan.cost.throughput import load_records
 
     fit = cost_fit.fit(load_records())

@@ -138,8 +138,8 @@ def _launch(folder, plan, world: int = 2) -> list[dict]:
     return ranks
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", [s if s == "fsdp1-qlora" else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in sorted(SHAPES)])  # one emitted FSDP launch in the fast tier
 def test_emitted_fsdp_config_and_train_py_run_on_two_cpu_ranks(tmp_path, shape):
     """Two optimizer steps of the emitted train.py under the emitted YAML on 2 gloo ranks: each rank
     trained an FSDP-wrapped model of the YAML's version and settings, holding half the parameters."""

@@ -114,6 +114,7 @@ def test_script_plan_carries_the_eval_batch_only_when_set():
     assert script_plan(Plan(model=model.name, setup=s, breakdown=estimate(model, s)), model)["eval_batch"] == 4
 
 
+@pytest.mark.slow  # the full tier
 def test_emitted_script_trains_and_evaluates_on_cpu(tmp_path):
     pytest.importorskip("torch")
     from vramplan.emit import emit_to_dir

@@ -16,7 +16,7 @@ from cli_helpers import assert_user_error
 from click.testing import CliRunner
 
 from vramplan.cli import main
-from vramplan.cost.model import model as cost
+from vramplan.cost import model as cost
 from vramplan.emit import emit_to_dir
 from vramplan.estimator import estimate, weights_bytes
 from vramplan.model.profiles import load_gpu, load_model
@@ -196,6 +196,7 @@ def test_validate_row_is_modelled_but_unverified():
     assert "gptqmodel" in row.why and "torch>=2.14.1" in row.why
 
 
+@pytest.mark.slow  # the full tier
 def test_emitted_train_py_requires_a_prequantized_checkpoint(tmp_path, llama):
     setup = GPTQ.replace(checkpointing=True)
     gpu = load_gpu("rtx-4090")

@@ -129,6 +129,7 @@ def test_plan_says_why_not_the_layer_split():
     assert lines and "layer split over 2 GPUs" in lines[0] and "fullest GPU" in lines[0]
 
 
+@pytest.mark.slow  # the full tier
 def test_emitted_split_is_one_process_and_runs_a_step_on_cpu(tmp_path):
     """train.py passes device_map to from_pretrained and launches as ``python train.py``; on this
     CPU machine (no two GPUs to split over) it falls back to ``{"": "cpu"}`` and runs two steps."""

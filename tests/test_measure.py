@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import selected_params
 
 from vramplan.calibration import measure as m
 from vramplan.cli import main
@@ -47,6 +48,12 @@ SETUPS = {
     "paged-adamw-8bit": Setup(seq=SEQ, optimizer="paged-adamw-8bit"),
     "zero2-offload": Setup(seq=SEQ, zero_stage=2, offload_optimizer="cpu"),
 }
+#: the runs of the fast tier (the others run in the full tier, `pytest -m slow`)
+FAST = ("full", "lora", "qlora", "zero3-2ranks")
+
+
+def _tiered(names):
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 def _plan(tmp_path, name: str) -> tuple[Plan, str, dict]:
@@ -57,13 +64,17 @@ def _plan(tmp_path, name: str) -> tuple[Plan, str, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every real run of this file: SETUPS, an OOM under a CPU cap and a timeout in one forking
-    worker; the `measure` command (JSON, record) and a one-run `sweep` whose run times out, in
-    parallel."""
+def runs(tmp_path_factory, request):
+    """Every real run of this file: the SETUPS this session's tests read (the fast tier's FAST, the
+    full tier's others), an OOM under a CPU cap and a timeout in one forking worker; the `measure`
+    command (JSON, record) and a one-run `sweep` whose run times out, in parallel."""
     tmp = tmp_path_factory.mktemp("measure")
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
-    plans = {name: _plan(tmp, name) for name in SETUPS}
+    wanted = {"full", *selected_params(request, "test_cpu_run_records_measured_peaks", "name"),
+              *selected_params(request, "test_tensor_peak_estimate_within_5_percent", "name")}
+    if any(item.originalname == "test_cpu_offload_run_is_recorded_but_not_compared" for item in request.session.items):
+        wanted |= {"zero2", "zero2-offload"}
+    plans = {name: _plan(tmp, name) for name in SETUPS if name in wanted}
     full_peak = plans["full"][0].breakdown.tensor_peak_bytes
     capped = m.MeasureOptions(device="cpu", steps=3, cpu_memory_cap_bytes=int(full_peak * 0.8))
     records = tmp / "records"
@@ -117,7 +128,7 @@ runs:
 """
 
 
-@pytest.mark.parametrize("name", list(SETUPS))
+@pytest.mark.parametrize("name", _tiered(SETUPS))
 def test_cpu_run_records_measured_peaks(runs, name):
     meas = runs[name]
     assert meas.ok and not meas.oom, meas.measured.get("error")
@@ -134,7 +145,7 @@ def test_cpu_run_records_measured_peaks(runs, name):
     assert meas.provenance["versions"]["torch"] and meas.provenance["date"]
 
 
-@pytest.mark.parametrize("name", [n for n in SETUPS if n != "zero2-offload"])
+@pytest.mark.parametrize("name", _tiered(n for n in SETUPS if n != "zero2-offload"))
 def test_tensor_peak_estimate_within_5_percent(runs, name):
     meas = runs[name]
     row = m.comparison(meas)["tensor_peak_bytes"]
@@ -166,6 +177,7 @@ def test_release_deepspeed_shm_removes_only_its_launch(tmp_path):
             p.unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_cpu_offload_run_is_recorded_but_not_compared(runs):
     """Offloaded states share the CPU's memory: the record has its live-tensor peak, the
     comparison leaves it out (the distributed truth splits device and host)."""

@@ -187,7 +187,6 @@ def test_traced_grpo_step_within_five_percent():
     assert abs(e.tensor_peak_bytes / t.tensor_peak_bytes - 1) <= 0.05
 
 
-@pytest.mark.slow
 def test_grpo_trainer_with_hf_generation_on_the_cpu():
     pytest.importorskip("trl")
     from vramplan.truths.objectives import run_grpo

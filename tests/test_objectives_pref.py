@@ -150,7 +150,6 @@ def _within(e, t, phases=()):
         assert abs(e.phase_peaks_bytes[ph] / t.phase_peaks_bytes[ph] - 1) <= 0.05, ph
 
 
-@pytest.mark.slow
 def test_orpo_trainer_on_the_cpu_within_five_percent():
     pytest.importorskip("trl")
     from vramplan.truths.objectives import run_orpo
@@ -214,13 +213,13 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "max_position_embeddings": 256, "max_window_layers": 2}
 
 
-SLOW = pytest.mark.slow  # a subprocess of 5-15 s each: one runs in the quick suite
+SLOW = pytest.mark.slow  # a subprocess of 5-15 s each: one (dpo) runs in the fast tier
 
 
 @pytest.mark.parametrize("setup", [
     Setup(objective="dpo", batch=2, seq=32),
-    Setup(objective="grpo", batch=1, num_generations=4, seq=32, max_completion_length=8),
-    Setup(objective="orpo", batch=2, seq=32),
+    pytest.param(Setup(objective="grpo", batch=1, num_generations=4, seq=32, max_completion_length=8), marks=SLOW),
+    pytest.param(Setup(objective="orpo", batch=2, seq=32), marks=SLOW),
     pytest.param(Setup(objective="kto", batch=2, seq=32), marks=SLOW),
     pytest.param(Setup(objective="kto", batch=2, seq=32, method="lora"), marks=SLOW),
     pytest.param(Setup(objective="dpo", batch=2, seq=32, method="lora"), marks=SLOW),

@@ -99,6 +99,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # the full tier
 def test_emitted_train_py_steps_each_parameter_in_backward(tiny):
     """Real Trainer steps of the emitted train.py (CPU, 2 steps): no gradient is alive when the Trainer
     would step (all 26 without the knob), every parameter the plain run moves is moved, each parameter's

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import vramplan
 from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main
-from vramplan.cost.model import model as cost
+from vramplan.cost import model as cost
 from vramplan.cost.parallel import ShardGroup, shard_group, tp_nodes
 from vramplan.emit import render
 from vramplan.search.core import Search

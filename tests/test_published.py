@@ -156,6 +156,7 @@ def test_comparable_rows_do_not_drop_out(records):
     assert comparable / len(records) >= MIN_COMPARABLE / MIN_RECORDS
 
 
+@pytest.mark.slow  # the full tier
 def test_validate_published_prints_and_emits_the_token_slopes():
     """`vramplan validate --published`: the slopes section in the text and `token_slopes` in --json,
     one per run configuration measured at two micro-batches (the fms Mistral LoRA 1-GPU pair among them)."""

@@ -115,8 +115,8 @@ def test_compare_predicts_every_comparable_row(records):
 
 
 def test_cost_fit_refits_and_predicts(records):
-    from vramplan.cost.model import fit as cost_fit
-    from vramplan.cost.model import model as cost
+    from vramplan.cost import fit as cost_fit
+    from vramplan.cost import model as cost
 
     fit = cost_fit.fit(records)
     assert set(fit.constants) == set(cost.CONSTANTS)

@@ -152,8 +152,7 @@ def test_accelerate_parallelism_config_matches_the_mesh():
 # the truth: transformers' TP + fully_shard on 4 gloo ranks
 
 
-@pytest.mark.slow
-def test_truth_four_ranks_within_5_percent():
+def test_truth_four_ranks_within_5_percent():  # the TP x FSDP2 truth at its smallest shape: the fast tier
     from vramplan.truths.tp_fsdp2 import TP_FSDP2_MATRIX, _setups, compare_setups
 
     for run, est in compare_setups(_setups(TP_FSDP2_MATRIX[:2])):

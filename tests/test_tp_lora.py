@@ -60,6 +60,7 @@ def test_rowwise_lora_under_tp_fails_in_the_first_forward(tp2):
         estimate(tiny_model(), ALL_LINEAR)
 
 
+@pytest.mark.slow  # the full tier
 def test_lora_under_tp_with_fsdp2_builds_lora_b_from_the_fsdp_chunk():
     """TP 2 x FSDP2 2 (transformers 5.24 fully_shards at load, peft wraps after): lora_B is built
     with FSDP's chunk of the TP shard (64 / 4 = 16 rows) on a tp-mesh DTensor of global 64 (32 rows a

@@ -10,6 +10,7 @@ from vramplan.specs import Setup, SpecError
 pytest.importorskip("torch")
 
 
+@pytest.mark.sample(3)
 @pytest.mark.parametrize("setup", [Setup(seq=256), Setup(method="lora", seq=256),
                                    Setup(seq=256, checkpointing=True, batch=2)],
                          ids=["full", "lora", "full-ckpt-b2"])
@@ -42,6 +43,7 @@ def test_weights_states_and_logits_are_counted_exactly():
     assert fwd["temporaries"] >= 6 * 128 * model.vocab_size
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "mixtral-8x7b", "qwen1.5-moe", "qwen3-30b-a3b", "deepseek-v2-lite",
                                   "gpt2"])
 @pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])

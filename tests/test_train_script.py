@@ -114,7 +114,7 @@ def _check_report(report: dict, plan: Plan) -> None:
     assert report["plan"]["method"] == setup.method
 
 
-@pytest.mark.parametrize("shape", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("shape", [pytest.param("full", marks=pytest.mark.slow), "lora", "qlora"])
 def test_single_gpu_plans_run(emitted, shape):
     folder, plan = emitted[shape]
     report = run_emitted(folder)
@@ -132,6 +132,7 @@ def test_single_gpu_plans_run(emitted, shape):
         assert (folder / "output" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # the full tier
 def test_zero2_runs_with_the_deepspeed_launcher(emitted):
     folder, plan = emitted["zero2"]
     assert header_command(folder / "train.py")[:3] == ["deepspeed", "--num_gpus", "1"]

@@ -123,6 +123,7 @@ def test_plan_keeps_the_loss_and_never_picks_trl_unasked():
     assert json.loads(asked.stdout)["setup"]["loss"] == "trl"
 
 
+@pytest.mark.slow  # the full tier
 def test_emitted_train_script_runs_trls_fused_head(tmp_path):
     pytest.importorskip("trl")
     from test_train_script import TINY, run_emitted

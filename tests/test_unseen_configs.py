@@ -69,6 +69,7 @@ def family_config(draw):
 _HUNT = os.environ.get("VRAMPLAN_UNSEEN_EXAMPLES")
 
 
+@pytest.mark.slow  # 30 configs traced (~16 s)
 @settings(max_examples=int(_HUNT or 30), derandomize=not _HUNT,
           database=None if not _HUNT else settings.default.database, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])

@@ -23,12 +23,13 @@ SINGLE = [k for k in KNOBS if k not in ("zero", "fsdp", "ddp", "measured")]
 
 
 @pytest.fixture(scope="module")
-def quick_json():
+def quick_json():  # every knob's quick rows (~80 s): the full tier
     result = CliRunner().invoke(main, ["validate", "--quick", "--json", *(f"--knob={k}" for k in SINGLE)])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_quick_matrix_holds_the_bar(quick_json):
     rows = [r for r in quick_json["rows"] if r["verified"]]
     # trl-*: dpo, grpo; placement: device_map's real transformers placement on the meta device;
@@ -44,6 +45,7 @@ def test_quick_matrix_holds_the_bar(quick_json):
     assert canonical and all(abs(r["error"]) <= 0.02 for r in canonical)
 
 
+@pytest.mark.slow
 def test_unverifiable_knobs_are_listed_with_why(quick_json):
     summary = {s["knob"]: s for s in quick_json["summary"]}
     for knob in ("gptq_awq", "device_overheads"):

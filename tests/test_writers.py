@@ -21,7 +21,7 @@ from vramplan.util.fileio import atomic_write_text, clean_stale, make_temp_dir, 
 
 _WRITER = """
 import sys, time
-from vramplan import fileio
+from vramplan.util import fileio
 real = fileio._write_fsync
 def slow(fd, data):
     real(fd, data); time.sleep(0.05)

@@ -10,6 +10,7 @@ Mixtral; about 60 s on 2 cores). The 4-rank matrix is in benchmarks/zero_accurac
 from __future__ import annotations
 
 import pytest
+from conftest import selected, selected_cases
 
 from vramplan.estimator import estimate
 from vramplan.estimator.distributed import zero_config, zero_memory
@@ -48,13 +49,24 @@ WIDE_MOE = MOE_BASES[0]
 N2_WIDE_MOE = [{"zero_stage": 3, "method": "lora"}]
 CASES = ([(TINY_BASE, 1, kw) for kw in N1] + [(TINY_BASE, 2, kw) for kw in N2] + [(MOE, 2, kw) for kw in N2_MOE]
          + [(WIDE_MOE, 2, kw) for kw in N2_WIDE_MOE])
+#: the fast tier's cases: one rank at stage 3, two at stage 2 and LoRA at stage 3 (the rest: `pytest -m slow`)
+FAST = [(TINY_BASE, 1, {"zero_stage": 3}), (TINY_BASE, 2, {"zero_stage": 2}),
+        (TINY_BASE, 2, {"zero_stage": 3, "method": "lora"})]
 
 
 @pytest.fixture(scope="module")
-def measured():
+def measured(request):
+    """One launch per (model, ranks) of the cases this session runs (every case for the tests that
+    compare across them)."""
+    every = selected(request, "test_truth_sees_the_partitioning") or selected(
+        request, "test_bf16_mixed_runs_as_bf16_under_deepspeed")
+    chosen = CASES if every else [(c["base"], c["world"], c["kw"])
+                                  for c in selected_cases(request, "test_estimate_matches_every_rank")]
     out = {}
     for base, world, matrix in ((TINY_BASE, 1, N1), (TINY_BASE, 2, N2), (MOE, 2, N2_MOE), (WIDE_MOE, 2, N2_WIDE_MOE)):
-        setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in matrix]
+        setups = [Setup(**kw, gpus=world, seq=TINY_SEQ) for kw in matrix if (base, world, kw) in chosen]
+        if not setups:
+            continue
         for run, est in compare_setups(setups, world, base):
             out[(base, world, run.setup)] = (run, est)
     return out
@@ -64,7 +76,8 @@ def _key(world, kw, base=TINY_BASE):
     return (base, world, Setup(**kw, gpus=world, seq=TINY_SEQ))
 
 
-@pytest.mark.parametrize(("base", "world", "kw"), CASES,
+@pytest.mark.parametrize(("base", "world", "kw"), [c if c in FAST else pytest.param(*c, marks=pytest.mark.slow)
+                                                   for c in CASES],
                          ids=lambda v: v.split("/")[-1] if isinstance(v, str) else str(v) if isinstance(v, int)
                          else "-".join(f"{k}={x}" for k, x in v.items()))
 def test_estimate_matches_every_rank(measured, base, world, kw):
@@ -95,6 +108,7 @@ def test_estimate_matches_every_rank(measured, base, world, kw):
             assert rank.host_bytes == 0 and est.host_bytes == 0
 
 
+@pytest.mark.slow
 def test_truth_sees_the_partitioning(measured):
     """The harness measures something that changes with the knobs (a truth that cannot fail to
     differ is no truth): stage 3 holds less per rank than stage 2 on two ranks, two ranks less
@@ -111,6 +125,7 @@ def test_truth_sees_the_partitioning(measured):
     assert qlora < measured[_key(2, {"zero_stage": 2, "method": "lora"})][0].worst.device_bytes
 
 
+@pytest.mark.slow
 def test_bf16_mixed_runs_as_bf16_under_deepspeed(measured):
     """DeepSpeed's bf16 engine casts the fp32 weights of a -mixed load; accelerate adds no autocast:
     the measured step is bf16's, to the byte, and so is the estimate."""

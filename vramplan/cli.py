@@ -16,6 +16,7 @@ import sys
 import click
 
 from .commands.check import check
+from .commands.doctor import doctor
 from .commands.emit import emit
 from .commands.estimate import estimate
 from .commands.gpus import gpus
@@ -93,7 +94,7 @@ def main() -> None:
     """
 
 
-for _command in (estimate, trace, models, gpus, check, emit, measure, sweep, calibrate, plan, validate):
+for _command in (estimate, trace, models, gpus, check, emit, measure, sweep, calibrate, plan, validate, doctor):
     main.add_command(_command)
 del _command
 

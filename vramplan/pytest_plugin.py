@@ -121,6 +121,8 @@ class Vram:
             current_versions,
             parse_tolerance,
         )
+        from .setup.inputs import loads_json, read_text
+        from .specs import SpecError
         from .util.fileio import atomic_write_text
 
         tol = parse_tolerance(tolerance)
@@ -131,7 +133,10 @@ class Vram:
             return
         if not path.is_file():
             pytest.fail(f"no vramplan golden file {path}; run pytest --vram-update-golden to record it", pytrace=False)
-        golden = Record.from_json(json.loads(path.read_text(encoding="utf-8")), str(path))
+        try:
+            golden = Record.from_json(loads_json(read_text(path, "golden file"), str(path)), str(path))
+        except SpecError as exc:
+            pytest.fail(f"vramplan golden file: {exc}", pytrace=False)
         moved = [k for k in HEADLINE if golden.numbers[k] and
                  abs(record.numbers[k] - golden.numbers[k]) > tol * golden.numbers[k]]
         if not moved:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..specs import GpuSpec, Plan, Setup, SpecError
+from ..util.numbers import check_numbers
 from ..util.versions import library_versions
 
 #: Default directory of measurement records (relative to the working directory).
@@ -383,11 +384,12 @@ def read_records(where: str | os.PathLike | Iterable[str | os.PathLike]) -> list
     for item in paths:
         for path in record_files(item):
             with open(path, "rb") as fh:
-                for raw in fh:
+                for line, raw in enumerate(fh, 1):
                     try:
                         data = json.loads(raw)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         continue
+                    check_numbers(data, f"{path}:{line}")
                     if isinstance(data, dict) and data.get("vramplan_measurement") == RECORD_VERSION:
                         out.append(data)
     return out

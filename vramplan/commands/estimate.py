@@ -20,11 +20,16 @@ from .options import calibration_options, corrections_for, gpu_options, print_js
 @gpu_options
 @calibration_options
 @config_options
+@click.option("--transformers", "transformers_version", metavar="VERSION",
+              help="The transformers version the step runs on: a version (4.48.1) or 'installed' (this machine's). "
+                   "Where a known boundary moves memory (4.x: per-expert MoE Linears bitsandbytes quantizes, "
+                   "reentrant checkpointing; 4.46-4.48: a second fp32 logits copy) the estimate follows it "
+                   "[default: 5, the modelled stack: `vramplan doctor`].")
 @click.option("--json", "as_json", is_flag=True, help="Print the Breakdown as one JSON object.")
 @user_errors
 def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | None, no_calibration: bool,
              calibration_file: str | None, config_format: str | None, model_override: str | None,
-             accelerate_file: str | None, as_json: bool) -> None:
+             accelerate_file: str | None, transformers_version: str | None, as_json: bool) -> None:
     """Analytic memory estimate of one training step of MODEL (no torch, milliseconds).
 
     The device terms are the committed calibration (docs/commands/estimate.md); --no-calibration
@@ -41,13 +46,35 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
         raise SpecError("--model and --accelerate-config go with a training config (MODEL is not one)")
     gpu = resolve_gpu(gpu_name, gpu_memory)
     corrections = corrections_for(gpu, no_calibration, calibration_file)
-    bd = run_estimate(load_model(model), setup, gpu, corrections)  # checks the setup against the model and GPU
+    stack = stack_for(transformers_version)
+    bd = run_estimate(load_model(model), setup, gpu, corrections, stack)  # checks the setup against the model, GPU
     for note in bd.notes:  # the analytic tier's notes are the check's warnings
         warn(note)
     if as_json:
-        print_json(bd.to_json())
+        data = bd.to_json()
+        if not stack.is_default:  # the stack the numbers follow, not the default one
+            data["modelled_versions"] = {**data["modelled_versions"], "transformers": stack.transformers}
+        print_json(data)
     else:
         print_breakdown(bd, uncalibrated_reason(gpu, calibration_file, not no_calibration))
+
+
+def stack_for(version: str | None):
+    """The ``Stack`` of ``--transformers``: the default (5), a version, or the installed one."""
+    from ..estimator.stack import DEFAULT_STACK, Stack
+    from ..util.versions import library_versions
+
+    if version is None:
+        return DEFAULT_STACK
+    if version.strip().lower() == "installed":
+        installed = library_versions(["transformers"])["transformers"]
+        if installed is None:
+            raise SpecError("--transformers installed: transformers is not installed here; give a version (4.48.1)")
+        version = installed
+    try:
+        return Stack(transformers=version.strip())
+    except ValueError:
+        raise SpecError(f"--transformers: {version!r} is not a version; write e.g. 4.48.1, 5 or installed") from None
 
 
 _SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
@@ -107,6 +134,11 @@ def print_breakdown(bd, uncalibrated: str = "") -> None:
         console.print("per GPU (GiB; the headline numbers are the fullest GPU's):")
         console.print(ranks)
     console.print(f"[dim]{escape(calibration_line(bd, uncalibrated))}[/]")
+    if bd.tier == "analytic":
+        from ..util.versions import MODELLED
+
+        libs = ", ".join(f"{k} {v}" for k, v in MODELLED.items())
+        console.print(f"[dim]models: {libs} (vramplan doctor compares this machine's)[/]")
     for note in bd.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
 

@@ -429,7 +429,7 @@ def fitted_units(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, nodes: int
     per unit of 1/MFU). :func:`step_cost` multiplies them by :data:`CONSTANTS`; cost_fit fits them."""
     ga, tokens, bw = setup.grad_accum, setup.tokens, bandwidth(gpu)
     rate = peak_flops(gpu, setup) * batch_efficiency(tokens)
-    g = shard_group(setup, nodes)  # cost_parallel.py: HSDP's shard group, TP x FSDP2's dp_shard (1/tp of each weight)
+    g = shard_group(setup, nodes)  # cost/parallel.py: HSDP's shard group, TP x FSDP2's dp_shard (1/tp of each weight)
     shard = ga * g.bytes_per_micro_step(_grad_bytes(setup, k), passes_per_micro_step(setup) * k.gathered_weight_bytes)
     shard = shard / ring_bandwidth(gpu, g.nodes) if sharded_params(setup) else 0.0  # (HSDP's all-reduce: comm_s)
     return {

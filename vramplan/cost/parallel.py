@@ -1,4 +1,4 @@
-"""The groups a parallel layout's collectives run over, and the links they cross, for cost.py.
+"""The groups a parallel layout's collectives run over, and the links they cross, for cost/model.py.
 
 vramplan.cost.model prices a ring collective over the slowest link of its ring (``cost.ring_bandwidth``:
 the GPUs' interconnect within a node, the network between nodes). A layout whose collectives do not

@@ -159,7 +159,7 @@ def components(model: ModelSpec, setup: Setup) -> tuple[Component, ...]:
                       note="TRL 1.16 OffloadActivations' pinned host copies (estimator/act_offload.py)"),)
 
 
-#: Share of the offloader's copies not hidden behind compute (cost.py prices the rest of the host link's
+#: Share of the offloader's copies not hidden behind compute (cost/model.py prices the rest of the host link's
 #: time as zero): TRL's manager copies on a side stream (``s1``) and makes the compute stream wait only
 #: for copies five saved tensors old (forward) or the tensor a node needs now (backward). A rough reading
 #: of axolotl#3776's Qwen3-8B table (seq 8192: "trl_gc" 2758 ms/step vs "gc" 2678 ms, 2.34 GB of host

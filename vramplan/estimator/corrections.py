@@ -97,12 +97,15 @@ def shipped_coefficients() -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _read(path: str, mtime_ns: int) -> dict:
+    from ..util.numbers import check_numbers
+
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
         raise SpecError(f"calibration file {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise SpecError(f"calibration file {path}: not valid JSON ({exc})") from None
+    check_numbers(data, f"calibration file {path}")
     if not isinstance(data, dict) or data.get("vramplan_coefficients") not in FORMATS \
             or not isinstance(data.get("groups"), dict):
         raise SpecError(f"calibration file {path}: not a vramplan coefficients file (run `vramplan calibrate`)")

@@ -36,7 +36,7 @@ runs them; every term was read off the real N-process run of ``vramplan.truths.f
   states are no parameters and stay whole on every rank; no fp32 upcast (accelerate skips it on a
   bitsandbytes base).
 NO_SHARD, CPU offload, one rank, MoE models, LLM.int8/GPTQ/AWQ bases, optimizers other than torch
-AdamW (foreach, fused) and SGD, and the knobs no FSDP2 truth runs are refused (setup_checks.py
+AdamW (foreach, fused) and SGD, and the knobs no FSDP2 truth runs are refused (setup/checks.py
 ``check_fsdp2``).
 """
 
@@ -93,7 +93,7 @@ def _group_tensors(model: ModelSpec, setup: Setup) -> tuple[list, list, list, li
 
 def fsdp2_memory(model: ModelSpec, setup: Setup) -> FsdpMemory:
     """Model-state bytes per rank of ``setup`` under FSDP2 on ``setup.gpus`` ranks."""
-    check_fsdp2(model, setup)  # what is not modelled is refused (setup_checks.py)
+    check_fsdp2(model, setup)  # what is not modelled is refused (setup/checks.py)
     L = max(model.num_layers, 1)
     n = shard_ranks(setup)  # hybrid sharding (dp_replicate): the shard group (estimator/hybrid_shard.py)
     mixed = fsdp_mixed(setup)

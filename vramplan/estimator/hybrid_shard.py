@@ -25,7 +25,7 @@ How the pinned libraries run it (read off their source; verified against the rea
 
 Either way each rank holds what FSDP on S ranks holds (plus FSDP2's held outputs); the activations
 are one rank's micro-batch, as without it. The all-reduce moves one gradient shard per rank across
-the replicas each optimizer step (:func:`replica_bytes`, priced by cost.py ``comm_s``).
+the replicas each optimizer step (:func:`replica_bytes`, priced by cost/model.py ``comm_s``).
 """
 
 from __future__ import annotations

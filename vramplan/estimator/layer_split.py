@@ -90,8 +90,15 @@ class LayerSplit:
                 raise KeyError(name)
             prefix = prefix.rpartition(".")[0]
 
+    @functools.cached_property
+    def _layers_by_rank(self) -> dict[int, tuple[int, ...]]:
+        out: dict[int, list[int]] = {}
+        for i in range(self.num_layers):
+            out.setdefault(self.device_of(f"model.layers.{i}"), []).append(i)
+        return {r: tuple(v) for r, v in out.items()}
+
     def layers_on(self, rank: int) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if self.device_of(f"model.layers.{i}") == rank)
+        return self._layers_by_rank.get(rank, ())
 
     @property
     def gpus(self) -> int:

@@ -95,34 +95,43 @@ def rank_terms(model: ModelSpec, setup: Setup, split: LayerSplit, t: StepTerms) 
     L = max(model.num_layers, 1)
     N, h, V = setup.tokens, model.hidden_size, model.vocab_size
     embed_p, norm_p, head_p = _nonlayer_params(model)
-    layer_p = (model.params_total - embed_p - norm_p - head_p) / L
+    params_total = model.params_total
+    layer_p = (params_total - embed_p - norm_p - head_p) / L
     # weights as trained: prepare_model_for_kbit_training upcasts what is not quantized to fp32
     nonlayer_b = 4 if setup.quant in ("nf4", "fp4", "int8") else weight_dtype_bytes(setup)
     layer_w = (t.weights - (embed_p + norm_p + head_p) * nonlayer_b) / L
     c_logits = autocast_bytes(setup)
     rope_b = model.traits.rope_bytes or (4 if mixed(setup) else autocast_bytes(setup))
     rope_copy = 2 * N * model.rope_dim * rope_b if model.traits.rope and not setup.checkpointing else 0
+    embed_rank, norm_rank, head_rank = split.embed_rank, split.norm_rank, split.head_rank
+    rotary_rank = split.rotary_rank
     out = []
+    empty: dict | None = None  # an empty GPU's terms (no layer, no end of the model, not GPU 0): all alike
     for r in range(split.gpus):
         layers = split.layers_on(r)
         n = len(layers)
-        embed, norm, head = split.embed_rank == r, split.norm_rank == r, split.head_rank == r
+        embed, norm, head = embed_rank == r, norm_rank == r, head_rank == r
+        if empty is not None and not n and r != 0 and not (embed or norm or head):
+            out.append(RankTerms(**{**empty, "rank": r}))  # what the computation below gives it (many GPUs: fast)
+            continue
         params = n * layer_p + embed_p * embed + norm_p * norm + head_p * head
         weights = n * layer_w + (embed_p * embed + norm_p * norm + head_p * head) * nonlayer_b
-        share = (params / model.params_total) if setup.method == "full" else n / L  # of what trains
+        share = (params / params_total) if setup.method == "full" else n / L  # of what trains
         cast = (t.cast_total - t.cast_head) * n / L + (t.cast_head if head else 0)
-        saved = t.layers_saved * n / L + (0 if split.rotary_rank == r else n * rope_copy)
+        saved = t.layers_saved * n / L + (0 if rotary_rank == r else n * rope_copy)
         out.append(_rank(model, setup, t, RankTerms(
             rank=r, layers=layers, weights=int(weights), adapters=int(t.adapters * n / L),
             gradients=int(t.gradients * share), optimizer_states=int(t.optimizer_states * share),
             optimizer_step=int(t.optimizer_step * share), cast_cache=int(cast), paged=int(t.paged * share),
             saved=int(saved), model_io=t.model_io if head else 0, logits_forward=t.logits_forward if head else 0,
             logits_backward=t.logits_backward if head else 0,
-            copies=int((0 if split.rotary_rank == r else n * rope_copy)
-                       + (c_logits * N * V if r == 0 and split.head_rank != 0 else 0)),
+            copies=int((0 if rotary_rank == r else n * rope_copy)
+                       + (c_logits * N * V if r == 0 and head_rank != 0 else 0)),
             phase_peaks={}), head_grad=head_p * weight_dtype_bytes(setup) if head else 0,
             tied_end=model.tie_word_embeddings and embed, logits_copy=c_logits * N * V
-            if r == 0 and split.head_rank != 0 else 0, h=h))
+            if r == 0 and head_rank != 0 else 0, h=h))
+        if empty is None and not n and r != 0 and not (embed or norm or head):
+            empty = {f.name: getattr(out[-1], f.name) for f in dataclasses.fields(out[-1])}
     return tuple(out)
 
 
@@ -258,7 +267,7 @@ def cap_notes(setup: Setup, gpu: GpuSpec | None, cuda_context_bytes: int) -> lis
 
 
 def copy_bytes_per_micro_step(model: ModelSpec, setup: Setup) -> float:
-    """Bytes a layer split copies between GPUs per micro-step (cost.py prices them over the
+    """Bytes a layer split copies between GPUs per micro-step (cost/model.py prices them over the
     interconnect, on the critical path: only one GPU computes at a time). The hidden states cross
     each of the ``gpus - 1`` boundaries forward and their gradient back; RoPE's cos/sin go to each
     layer off the rotary embedding's GPU (again in a checkpointed layer's recompute); an untied

@@ -239,7 +239,7 @@ def link_bytes_per_micro_step(model: ModelSpec, setup: Setup, gpu: GpuSpec | Non
 
 def comm_bytes_per_micro_step(model: ModelSpec, setup: Setup) -> float:
     """Bytes each tensor-parallel rank sends and receives per micro-step (0 without ``--tp``), for
-    cost.py. Per decoder layer four all-reduces of ``batch x seq x hidden`` in the compute dtype: two
+    cost/model.py. Per decoder layer four all-reduces of ``batch x seq x hidden`` in the compute dtype: two
     in the forward (o_proj's and down_proj's ``Partial`` outputs, ``RowwiseParallel``) and two in the
     backward (the replicated inputs' gradients of q/k/v and gate/up, ``ColwiseParallel``); the
     vocab-parallel embedding's all-reduce and its backward's; the logits' all-gather (``N x V``,

@@ -12,19 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from ..specs import SpecError
+from ..util.numbers import MAX_NUMBER, check_numbers, count_shown  # noqa: F401  (re-exported)
 
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 64
-
-
-def count_shown(value: int | float) -> str:
-    """A count for a message: exact when readable, else its order of magnitude."""
-    if isinstance(value, int) and abs(value) < 10**18:
-        return f"{value:,}"
-    try:
-        return f"{float(value):.3g}"
-    except OverflowError:
-        return f"a {len(str(abs(int(value))))}-digit number"
 
 
 def shown_value(value: Any) -> str:
@@ -70,6 +61,7 @@ def loads_json(text: str, where: str) -> Any:
     except RecursionError:
         raise SpecError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
     check_depth(data, where)
+    check_numbers(data, where)
     return data
 
 

@@ -122,14 +122,9 @@ def _json_or_path(value):
     """A dict field given on a command line: TrainingArguments parses a string starting with ``{``
     as JSON (``__post_init__``, ``_VALID_DICT_FIELDS``); anything else stays (a path)."""
     if isinstance(value, str) and value.lstrip().startswith("{"):
-        import json
+        from ..setup.inputs import loads_json
 
-        from ..specs import SpecError
-
-        try:
-            return json.loads(value)
-        except ValueError as exc:
-            raise SpecError(f"not valid JSON: {value!r} ({exc})") from None
+        return loads_json(value, "a JSON argument")
     return value
 
 

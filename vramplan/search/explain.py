@@ -218,7 +218,7 @@ def _layer_split_rejections(result: Result, chosen: Candidate | None, usable: in
 def _tensor_split_rejections(result: Result, chosen: Candidate | None, usable: int) -> list[Rejected]:
     """Several GPUs and a plan without tensor parallelism: why not ``--tp`` over all of them for the
     chosen family (every family when nothing fits): its smallest setting at the first micro-batch
-    does not fit, or it fits but its all-reduces (cost.py) make it slower than the plan."""
+    does not fit, or it fits but its all-reduces (cost/model.py) make it slower than the plan."""
     search, ev = result.search, result.search.ev
     if search.target.gpus < 2 or (chosen is not None and chosen.setup.tp > 1):
         return []

@@ -1,7 +1,7 @@
 """The parallel layouts the search proposes beside plain FSDP / ZeRO / TP: hybrid sharding across
 nodes and tensor parallelism x FSDP2 within one. Pure: Setups in, Setups out; what each layout
 models and refuses is the estimator's (estimator/hybrid_shard.py, estimator/tp_fsdp2.py), the
-price of its collectives cost.py's (vramplan/cost/parallel.py).
+price of its collectives cost/model.py's (vramplan/cost/parallel.py).
 
 - **HSDP** (several nodes): FSDP shards within each node's GPUs and replicates across the nodes
   (``dp_replicate = nodes``), as a practitioner runs a model too large for one GPU on several

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from ..specs import Setup, SpecError
 from .fsdp import ResizingCounter
-from .ranks import RankPeak, counter_peak, launch_ranks, one_thread_gloo, rank_worker
+from .ranks import RankPeak, counter_peak, exit_rank, launch_ranks, one_thread_gloo, rank_worker
 from .tiny import TINY_SEQ
 from .tp_truth import DTensorCounter
 
@@ -307,6 +307,7 @@ def _probe_worker(job_path: str) -> None:
     result = {"refused": refused, "grad_err": err, "gather_counted": counted, "gather_bytes": gathered.nbytes}
     (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+    exit_rank()
 
 
 def probe(world: int = 2, seq: int = 32, timeout_s: float = 300) -> list[dict]:

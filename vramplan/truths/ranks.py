@@ -159,6 +159,16 @@ def rank_worker(job_path: str, run_one) -> None:
     out = [run_one(job["config"], Setup.from_dict(s), job["seq"], job["out"]) for s in job["setups"]]
     (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+    exit_rank()
+
+
+def exit_rank() -> None:
+    """End a rank whose result is written: flush and leave without the interpreter's teardown, where a
+    gloo worker thread still joinable (a device mesh's group, an AsyncCollectiveTensor's work) can abort
+    the process ("terminate called without an active exception", exit -6) after the work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def failed_launch_rows(setups, world: int, base: str, family: str, exc: Exception, label) -> list:

@@ -51,3 +51,51 @@ def local_ram_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel driver's version (``/proc/driver/nvidia/version``, else nvidia-smi), or None."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("NVRM version:"):
+                    for word in line.split():
+                        if word[:1].isdigit() and "." in word:
+                            return word
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.stdout.strip().splitlines()[:1] if out.returncode == 0 else []
+    return first[0].strip() if first and first[0].strip() else None
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA version the installed torch was built for, read from ``torch/version.py`` as text
+    (torch is not imported); None for a CPU build or no torch. ``""`` when the file cannot be read."""
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        try:
+            with open(f"{folder}/version.py", encoding="utf-8") as f:
+                text = f.read(100_000)
+        except OSError:
+            continue
+        m = re.search(r"^cuda\b[^=\n]*=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", text, re.M)
+        if m is None:
+            return ""
+        return m.group(1) or m.group(2) or None
+    return ""

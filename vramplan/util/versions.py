@@ -8,7 +8,8 @@ the ones its traced tier runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from importlib import metadata
 
 #: Libraries whose versions change what a training step allocates.
@@ -26,4 +27,110 @@ def library_versions(names: Iterable[str] = LIBRARIES) -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    return out
+
+
+#: The exact versions the estimates are read off and the truths run on; the first block of the
+#: repository's constraints.txt pins the same (tests/test_doctor.py holds the two together), and
+#: ``vramplan doctor`` prints the installed ones against them.
+MODELLED: dict[str, str] = {
+    "torch": "2.13.0",
+    "transformers": "5.24.0",
+    "peft": "0.21.2",
+    "accelerate": "1.15.0",
+    "bitsandbytes": "0.50.2",
+    "deepspeed": "0.19.8",
+    "trl": "1.16.0",
+}
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """'4.48.1' -> (4, 48, 1), '2.13.0+cpu' -> (2, 13, 0), '5' -> (5,); () for no leading number."""
+    out = []
+    for part in text.strip().split("+")[0].split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
+            break
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A version boundary of one library that changes what a step allocates: below ``below`` the
+    library behaves as ``before`` says, from ``below`` on as ``after`` says; ``modelled`` is the
+    side the default estimate takes, ``source`` where it was read."""
+
+    library: str
+    below: tuple[int, ...]
+    before: str
+    after: str
+    source: str
+    #: the first version where the boundary's "before" holds (None: every earlier version)
+    since: tuple[int, ...] | None = None
+
+    def side(self, version: str) -> str | None:
+        """"before" / "after" for an installed version, None when it lies outside the boundary's range."""
+        v = version_tuple(version)
+        if not v:
+            return None
+        if self.since is not None and v < self.since:
+            return None
+        return "before" if v < self.below else "after"
+
+
+#: The boundaries vramplan knows, each one a predicate of ``vramplan.estimator.stack.Stack`` where
+#: the estimate follows it (``--stack`` / a record's versions choose the other side).
+BOUNDARIES: tuple[Boundary, ...] = (
+    Boundary("transformers", (5,),
+             "MoE experts are per-expert nn.Linear modules: bitsandbytes quantizes them and LoRA can target each",
+             "MoE experts are fused 3-D parameters: bitsandbytes does not quantize them (a QLoRA MoE base keeps "
+             "its experts in 16 bits) and LoRA targets them through peft's MoE conversion",
+             "transformers 4.48.1 modeling_mixtral.py MixtralBlockSparseTop2MLP; 5.x fused experts "
+             "skipped by replace_with_bnb_linear"),
+    Boundary("transformers", (5,),
+             "gradient_checkpointing=True checkpoints reentrantly (use_reentrant=True): under FSDP1 no backward "
+             "prefetch, frozen layer units keep their inputs to the end of the backward",
+             "non-reentrant checkpointing (use_reentrant=False)",
+             "transformers 4.48.1 modeling_utils.py gradient_checkpointing_enable; 5.24 "
+             "_activation_checkpointing_enable"),
+    Boundary("transformers", (4, 49),
+             "the causal-LM loss keeps a second, shifted fp32 copy of the logits while cross_entropy runs",
+             "the labels are shifted instead (no second fp32 logits copy)",
+             "transformers 4.46.0-4.48.1 loss/loss_utils.py ForCausalLMLoss; 4.49.0 pads the labels",
+             since=(4, 46)),
+)
+
+
+def drift(installed: Mapping[str, str | None], modelled: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``{library: why}`` for every modelled library whose installed version differs from the
+    modelled one (missing libraries are not drift: the estimate path needs none of them)."""
+    modelled = MODELLED if modelled is None else modelled
+    out = {}
+    for name, want in modelled.items():
+        have = installed.get(name)
+        if have is not None and version_tuple(have) != version_tuple(want):
+            out[name] = f"{name} {have} installed, estimates model {want}"
+    return out
+
+
+def boundaries_crossed(installed: Mapping[str, str | None],
+                       modelled: Mapping[str, str] | None = None) -> list[tuple[Boundary, str]]:
+    """The boundaries an installed version lies on the other side of from the modelled one, with
+    the installed version: what changes memory between this machine's stack and the estimate."""
+    modelled = MODELLED if modelled is None else modelled
+    out = []
+    for b in BOUNDARIES:
+        have, want = installed.get(b.library), modelled.get(b.library)
+        if have is None or want is None:
+            continue
+        side = b.side(have)
+        if side is not None and side != b.side(want):
+            out.append((b, have))
     return out

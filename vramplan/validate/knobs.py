@@ -80,7 +80,7 @@ def _cpu(case, knob: str, models, setups) -> list:
 
 #: The knobs on N ranks (the real engines of vramplan.truths.distributed and vramplan.truths.fsdp on the
 #: tiny model): modules_to_save under DeepSpeed ZeRO 1/2, DDP and FSDP1 full_shard. ZeRO-3 fails at
-#: initialize with it (setup_spec.py: DeepSpeed 0.19.8's defragment wants one dtype); FSDP's
+#: initialize with it (setup/spec.py: DeepSpeed 0.19.8's defragment wants one dtype); FSDP's
 #: SHARD_GRAD_OP keeps the copies gathered to the backward, not modelled (-7 % on 2 ranks).
 DISTRIBUTED_KNOB_SETUPS: dict[str, tuple[dict, ...]] = {"modules_to_save": (
     {"zero_stage": 2, "method": "lora", "modules_to_save": _BOTH},
