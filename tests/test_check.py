@@ -427,7 +427,7 @@ checks:
     read_setup = Setup(method="lora", lora_rank=16, lora_alpha=32, lora_dropout=0.05, batch=2, grad_accum=2,
                        lora_targets="gate_proj,down_proj,up_proj,q_proj,v_proj,k_proj,o_proj", seq=1024,
                        optimizer="adamw-8bit", checkpointing=True, attn="flash", precision="bf16",
-                       padding_free=True)  # sample_packing with flash attention
+                       padding_free=True, framework="axolotl")  # sample_packing with flash attention
     assert check.setup == read_setup  # the file's setup with the entry's override
     assert check.config == str(tmp_path / "cfg" / "lora.yml") and check.model == "llama-3.2-1b"
     assert any("assumed: bf16" in w for w in check.warnings)

@@ -104,7 +104,7 @@ NEW_KNOBS_OFF = {
     "checkpoint_every": 1,
     "modules_to_save": "", "dora": False, "activation_offload": False, "liger": False, "optimizer_in_backward": False,
     "padding_free": False, "eval_batch": 0, "device_map": "none", "tp": 1, "cp": 1, "fsdp_version": 1,
-    "dp_replicate": 1,
+    "dp_replicate": 1, "framework": "hf",
     "objective": "sft", "max_prompt_length": 0, "max_completion_length": 0, "num_generations": 8, "ref_model": "auto",
     "generation": "hf", "vllm_memory_fraction": 0.3, "max_memory": [],
 }

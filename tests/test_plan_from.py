@@ -56,7 +56,7 @@ def test_terminal_output_says_as_written_and_the_changes():
     result = CliRunner().invoke(main, ["plan", "llama-3.2-1b", "--from", FULL, "--gpu", "t4"])
     assert result.exit_code == 0, result.output
     first = result.stdout.splitlines()[0]
-    assert first.startswith(f"{FULL} (trl) as written: full") and "does not fit" in first and "GiB short" in first
+    assert first.startswith(f"{FULL} (trl) as written: trl: full") and "does not fit" in first and "GiB short" in first
     assert f"changes vs {FULL} (the plan):" in result.stdout
     assert "  --batch: 16 -> " in result.stdout
     assert "assumed: dtype" in result.stderr or "warning:" in result.stderr  # the reader's warnings
@@ -89,12 +89,14 @@ def test_plan_inputs_split_kept_from_free():
     assert src.fixed == {"method": "qlora", "quant": "nf4", "precision": "bf16", "loss": "hf", "lora_rank": 32,
                          "lora_alpha": 16, "lora_dropout": 0.05, "double_quant": True, "attn": "flash",
                          "lora_targets": "gate_proj,down_proj,up_proj,q_proj,v_proj,k_proj,o_proj",
-                         "padding_free": True}  # sample_packing with flash attention: the file's collator, kept
+                         "padding_free": True,  # sample_packing with flash attention: the file's collator, kept
+                         "framework": "axolotl"}  # the framework that runs the file: its model preparation
     assert "optimizer" not in src.fixed and "checkpointing" not in src.fixed and "batch" not in src.fixed
     assert kept_knobs(Setup(optimizer="sgd"))["optimizer"] == "sgd"  # another recipe: kept
     assert kept_knobs(Setup(optimizer="paged-adamw-8bit"))["optimizer"] == "paged-adamw-8bit"
     assert "quant" not in kept_knobs(Setup()) and "lora_rank" not in kept_knobs(Setup())
-    assert merge_fixed(src.fixed, {"method": "full"}).keys() == {"method", "precision", "loss", "attn", "padding_free"}
+    assert merge_fixed(src.fixed, {"method": "full"}).keys() == {"method", "precision", "loss", "attn", "padding_free",
+                                                                "framework"}
     assert merge_fixed(src.fixed, {"lora_rank": 8})["lora_targets"] == src.fixed["lora_targets"]
     assert merge_fixed(src.fixed, {"quant": "int8"})["quant"] == "int8" and "method" not in merge_fixed(
         src.fixed, {"quant": "int8"})

@@ -91,7 +91,7 @@ EXPECTED = {
     "axolotl/fft-8b.yaml": (
         "axolotl",
         "NousResearch/Meta-Llama-3.1-8B",
-        {
+        {"framework": "axolotl",
             "method": "full",
             "seq": 8192,
             "batch": 1,
@@ -106,7 +106,7 @@ EXPECTED = {
     "axolotl/llama-2-fft_optimized.yml": (
         "axolotl",
         "NousResearch/Llama-2-7b-hf",
-        {
+        {"framework": "axolotl",
             "method": "full",
             "seq": 4096,
             "batch": 1,
@@ -121,7 +121,7 @@ EXPECTED = {
     "axolotl/llama-2-lora.yml": (
         "axolotl",
         "NousResearch/Llama-2-7b-hf",
-        {
+        {"framework": "axolotl",
             "method": "lora",
             "quant": "int8",
             "lora_rank": 32,
@@ -141,7 +141,7 @@ EXPECTED = {
     "axolotl/lora-1b.yml": (
         "axolotl",
         "NousResearch/Llama-3.2-1B",
-        {
+        {"framework": "axolotl",
             "method": "lora",
             "lora_rank": 16,
             "lora_alpha": 32,
@@ -160,7 +160,7 @@ EXPECTED = {
     "axolotl/mistral-qlora.yml": (
         "axolotl",
         "mistralai/Mistral-7B-v0.1",
-        {
+        {"framework": "axolotl",
             "method": "qlora",
             "lora_rank": 32,
             "lora_alpha": 16,
@@ -179,7 +179,7 @@ EXPECTED = {
     "axolotl/qlora-1b.yml": (
         "axolotl",
         "NousResearch/Llama-3.2-1B",
-        {
+        {"framework": "axolotl",
             "method": "qlora",
             "lora_rank": 32,
             "lora_alpha": 16,
@@ -198,7 +198,7 @@ EXPECTED = {
     "axolotl/stablelm-2-1.6b-fft.yml": (
         "axolotl",
         "stabilityai/stablelm-2-1_6b",
-        {
+        {"framework": "axolotl",
             "method": "full",
             "seq": 4096,
             "batch": 1,
@@ -233,7 +233,7 @@ EXPECTED = {
     "llamafactory/fsdp_qlora_llama3_lora_sft.yaml": (
         "llamafactory",
         "meta-llama/Meta-Llama-3-8B-Instruct",
-        {
+        {"framework": "llamafactory",
             "batch": 1,
             "grad_accum": 8,
             "checkpointing": True,
@@ -252,7 +252,7 @@ EXPECTED = {
     "llamafactory/galore_llama3_full_sft.yaml": (
         "llamafactory",
         "meta-llama/Meta-Llama-3-8B-Instruct",
-        {
+        {"framework": "llamafactory",
             "batch": 1,
             "grad_accum": 1,
             "checkpointing": True,
@@ -283,7 +283,7 @@ EXPECTED = {
     "llamafactory/qwen3_lora_dpo.yaml": (
         "llamafactory",
         "Qwen/Qwen3-4B-Instruct-2507",
-        {
+        {"framework": "llamafactory",
             "batch": 1,
             "grad_accum": 8,
             "checkpointing": True,
@@ -300,7 +300,7 @@ EXPECTED = {
     "llamafactory/qwen3_lora_sft.yaml": (
         "llamafactory",
         "Qwen/Qwen3-4B-Instruct-2507",
-        {
+        {"framework": "llamafactory",
             "batch": 1,
             "grad_accum": 8,
             "checkpointing": True,
@@ -337,7 +337,7 @@ EXPECTED = {
     "llamafactory/qwen3_lora_sft_otfq.yaml": (
         "llamafactory",
         "Qwen/Qwen3-4B-Instruct-2507",
-        {
+        {"framework": "llamafactory",
             "batch": 1,
             "grad_accum": 8,
             "checkpointing": True,
@@ -461,7 +461,7 @@ EXPECTED = {
     "trl/example_config.yaml": (
         "trl",
         "Qwen/Qwen2.5-0.5B",
-        {
+        {"framework": "trl",
             "batch": 8,
             "grad_accum": 1,
             "checkpointing": True,
@@ -474,7 +474,7 @@ EXPECTED = {
     "trl/smollm2-sft-config.yaml": (
         "trl",
         "HuggingFaceTB/SmolLM2-1.7B",
-        {
+        {"framework": "trl",
             "batch": 4,
             "grad_accum": 4,
             "checkpointing": True,
@@ -488,7 +488,7 @@ EXPECTED = {
     "trl/zephyr-7b-beta-dpo-config_qlora.yaml": (
         "trl",
         "alignment-handbook/zephyr-7b-sft-qlora",
-        {
+        {"framework": "trl",
             "batch": 4,
             "grad_accum": 4,
             "checkpointing": True,
@@ -509,7 +509,7 @@ EXPECTED = {
     "trl/zephyr-7b-beta-sft-config_full.yaml": (
         "trl",
         "mistralai/Mistral-7B-v0.1",
-        {
+        {"framework": "trl",
             "batch": 16,
             "grad_accum": 1,
             "checkpointing": True,
@@ -523,7 +523,7 @@ EXPECTED = {
     "trl/zephyr-7b-beta-sft-config_qlora.yaml": (
         "trl",
         "mistralai/Mistral-7B-v0.1",
-        {
+        {"framework": "trl",
             "batch": 4,
             "grad_accum": 2,
             "checkpointing": True,
@@ -719,8 +719,8 @@ def test_accelerate_config_with_a_training_config():
         ),
         ("base_model: [\n", ("not valid YAML",)),
         # YAML's non-finite floats: an integer field, and a number field
-        ("base_model: x\nmicro_batch_size: .inf\n", ("micro_batch_size", "an integer")),
-        ("base_model: x\nadapter: lora\nlora_dropout: .nan\n", ("lora_dropout", "a finite number")),
+        ("base_model: x\nmicro_batch_size: .inf\n", ("micro_batch_size", "out of range")),
+        ("base_model: x\nadapter: lora\nlora_dropout: .nan\n", ("lora_dropout", "out of range")),
     ],
 )
 def test_bad_input_is_one_line_naming_file_and_field(tmp_path, text, fragments):
@@ -806,7 +806,7 @@ def test_trl_flags_parse_as_hf_argument_parser_does():
     assert read.format == "trl" and read.model == "Qwen/Qwen2-0.5B"
     assert read.setup == Setup(method="lora", lora_rank=32, lora_alpha=16, lora_dropout=0.05,
                                lora_targets="q_proj,k_proj,v_proj", precision="bf16", optimizer="adamw-fused",
-                               checkpointing=False, batch=2, seq=512, grad_accum=4, loss="trl")
+                               checkpointing=False, batch=2, seq=512, grad_accum=4, loss="trl", framework="trl")
     assert "ignored: --foo (not a TrainingArguments/TRL field vramplan reads)" in {str(w) for w in read.warnings}
     # a list of words is the same as the string; a bare boolean is True; hf reads TrainingArguments only
     assert read_trl_args(["--use_peft", "--max_length", "128"]).setup.method == "lora"

@@ -42,6 +42,7 @@ from .setup.spec import (
 )
 from .util.errors import SpecError
 from .util.units import GiB
+from .util.versions import MODELLED
 
 __all__ = [
     "ATTENTIONS", "DEVICE_MAPS", "FSDP_MODES", "GENERATIONS", "LOSSES", "METHODS", "OBJECTIVES", "OFFLOADS",
@@ -197,6 +198,9 @@ class Breakdown:
             "notes": list(self.notes),
             "error_band": self.error_band.to_json() if self.error_band is not None else None,
             "calibration": self.calibration.to_json() if self.calibration is not None else None,
+            # the library versions the analytic formulas are read off (util/versions.py MODELLED); a
+            # trace ran on whatever is installed (``vramplan doctor``), so it names none
+            "modelled_versions": dict(MODELLED) if self.tier == "analytic" else None,
             # only when the GPUs differ, so the JSON of every other setup is unchanged
             **({"per_rank": [r.to_json() for r in self.per_rank]} if self.per_rank else {}),
         }
@@ -218,11 +222,12 @@ class Breakdown:
 #: ``offload`` the plan offloads because nothing resident fits; ``host_ram_source`` which host
 #: RAM the plan was checked against; DPO/GRPO (search/explain_objectives.py): ``objective_speed`` the
 #: step's time by phase, ``generation`` GRPO's engine and vLLM's share, ``reference`` DPO's reference;
-#: ``layout`` why the plan took hybrid sharding or TP x FSDP2 (search/explain_parallel.py).
+#: ``layout`` why the plan took hybrid sharding or TP x FSDP2 (search/explain_parallel.py);
+#: ``framework`` another framework trains in VRAM where this plan offloads (search/explain_framework.py).
 NoteKind = Literal["no_fit", "gpu_only", "what_would_fit", "nothing_would_fit", "tight", "quality", "micro_batch",
                    "host_ram", "flash_attn", "duration", "speed_model", "estimate", "text", "lower_tier_faster",
                    "offload", "host_ram_source", "objective_speed", "generation", "reference",
-                   "higher_tier_slower", "layout"]
+                   "higher_tier_slower", "layout", "framework"]
 
 #: What a why-not line says: ``too_big`` a family of a higher tier does not fit; ``needs_offload``
 #: it fits only with CPU/NVMe offload (or, on one GPU, a distributed engine) while a resident plan

@@ -1,6 +1,6 @@
 """Published real-GPU peaks -> vramplan records (calibration/published/records.jsonl).
 
-    python calibration/published/build.py                      # /work/shared/published-peaks/*.jsonl + added.jsonl
+    python calibration/published/build.py          # /work/shared/published-peaks/*.jsonl + added.jsonl + consumer.jsonl
     python calibration/published/build.py A.jsonl B.jsonl --out DIR
 
 Reads every source row (README.md in this folder says where they come from), normalises it to a
@@ -52,6 +52,27 @@ MODEL_MAP = {
     "meta-llama/Llama-3.1-70B-Instruct": ("meta-llama/Llama-3.1-70B", "Instruct has the base config"),
     "Qwen/Qwen2-7B": ("Qwen/Qwen2-7B", ""),
     "google/gemma-2b": ("google/gemma-2b", ""),
+    # consumer.jsonl (issue 28): Unsloth's uploads (4-bit or 16-bit) of configs we hold, and TRL's GRPO base
+    "unsloth/llama-3-8b-bnb-4bit": ("meta-llama/Meta-Llama-3-8B", "Unsloth's nf4 upload of meta-llama/Meta-Llama-3-8B "
+                                    "(same architecture)"),
+    "unsloth/llama-3-8b-Instruct-bnb-4bit": ("meta-llama/Meta-Llama-3-8B", "Unsloth's nf4 upload of "
+                                             "Meta-Llama-3-8B-Instruct (Instruct has the base config)"),
+    "unsloth/Meta-Llama-3.1-8B": ("meta-llama/Llama-3.1-8B", "Unsloth's upload of meta-llama/Llama-3.1-8B"),
+    "unsloth/Llama-3.2-3B-Instruct": ("meta-llama/Llama-3.2-3B", "Unsloth's upload of Llama-3.2-3B-Instruct "
+                                      "(Instruct has the base config)"),
+    "unsloth/Llama-3.2-1B-Instruct": ("meta-llama/Llama-3.2-1B", "Unsloth's upload of Llama-3.2-1B-Instruct "
+                                      "(Instruct has the base config)"),
+    "unsloth/mistral-7b-v0.3": ("mistralai/Mistral-7B-v0.3", "Unsloth's upload of mistralai/Mistral-7B-v0.3"),
+    "unsloth/mistral-7b-instruct-v0.3-bnb-4bit": ("mistralai/Mistral-7B-v0.3", "Unsloth's nf4 upload of "
+                                                  "Mistral-7B-Instruct-v0.3 (Instruct has the base config)"),
+    "unsloth/Qwen2-7B": ("Qwen/Qwen2-7B", "Unsloth's upload of Qwen/Qwen2-7B"),
+    "unsloth/Qwen2.5-7B": ("Qwen/Qwen2.5-7B", "Unsloth's upload of Qwen/Qwen2.5-7B"),
+    "unsloth/gemma-2-9b": ("google/gemma-2-9b", "Unsloth's upload of google/gemma-2-9b"),
+    "unsloth/gemma-2-2b": ("google/gemma-2-2b", "Unsloth's upload of google/gemma-2-2b"),
+    "unsloth/tinyllama-bnb-4bit": ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", "Unsloth's nf4 upload of the TinyLlama-1.1B "
+                                   "base (the Chat-v1.0 config has its architecture: 22 layers, hidden 2048, 4 KV "
+                                   "heads, vocab 32000)"),
+    "Qwen/Qwen2-7B-Instruct": ("Qwen/Qwen2-7B", "Instruct has the base config"),
 }
 
 #: models whose modelling code is remote code (trust_remote_code), not transformers'
@@ -81,6 +102,10 @@ GPU_MAP = [
     (r"A100-SXM4-40GB|A100 40GB", "a100-40gb"),
     (r"A100", "a100-80gb"),
     (r"A10G", "a10g"),
+    (r"Tesla T4|\bT4\b", "t4"),
+    (r"\bL4\b", "l4"),  # not L40 / L40S
+    (r"RTX 3090 Ti", "rtx-3090-ti"),
+    (r"RTX 3090", "rtx-3090"),
     (r"RTX 4090", "rtx-4090"),
     (r"RTX A6000", "rtx-a6000"),
 ]
@@ -235,9 +260,13 @@ def normalise(row: dict) -> dict:
     # --- precision
     prec_raw = (row.get("precision") or "").lower()
     precision = "bf16"
+    fw_raw = (row.get("framework") or "").lower()
+    unsloth = fw_raw.startswith("unsloth")
     if "fp16" in prec_raw:
         precision = "fp16-mixed"
-        unexpressible.append("fp16 autocast on a 16-bit-loaded or quantized base through DeepSpeed (Qwen finetune.py)")
+        if repo == "QwenLM/Qwen":
+            unexpressible.append("fp16 autocast on a 16-bit-loaded or quantized base through DeepSpeed (Qwen "
+                                 "finetune.py)")
     elif "--bf16" in prec_raw or "bf16 amp" in prec_raw:
         if quant in ("nf4", "fp4"):
             precision = "bf16-mixed"  # a 4-bit base: prepare_model_for_kbit_training upcasts the rest to fp32 anyway
@@ -246,15 +275,21 @@ def normalise(row: dict) -> dict:
                                  "bf16-mixed loads fp32 weights")
     elif "fp32 master" in prec_raw:
         precision = "bf16-mixed"
+    elif unsloth and "bf16" in prec_raw and quant in ("nf4", "fp4"):
+        precision = "bf16-mixed"
+    if "not stated" in prec_raw:
+        unexpressible.append("autocast dtype not stated (the trainer config sets neither fp16 nor bf16)")
 
     # --- optimizer
     opt_raw = (row.get("optimizer") or "").lower()
     optimizer = "adamw"
     in_backward = "optimizer_in_bwd" in opt_raw and "optimizer_in_bwd=false" not in opt_raw  # --optimizer-in-backward
-    if "pagedadamw8bit" in opt_raw:
+    if "pagedadamw8bit" in opt_raw or "paged_adamw_8bit" in opt_raw:
         optimizer = "paged-adamw-8bit"
     elif "pagedadamw" in opt_raw:
         unexpressible.append("bitsandbytes PagedAdamW (32-bit paged states)")
+    elif "adamw8bit" in opt_raw or "adamw_8bit" in opt_raw:
+        optimizer = "adamw-8bit"  # bitsandbytes AdamW8bit (HF optim="adamw_8bit")
     elif "fused=true" in opt_raw:
         optimizer = "adamw-fused"
     elif "8-bit" in opt_raw:
@@ -341,6 +376,15 @@ def normalise(row: dict) -> dict:
                              "peft_module_casting_to_bf16 casts the embeddings and head back to bf16 under autocast "
                              "(vramplan's QLoRA keeps them fp32, bf16-mixed loads fp32)")
 
+    # --- the framework that prepared the model (Setup.framework; vramplan/setup/frameworks.py)
+    framework_knob = "hf"
+    if unsloth:
+        framework_knob = "unsloth"  # the estimate refuses it: Unsloth's own loss and offloaded checkpointing
+    elif repo == "huggingface/trl":
+        unexpressible.append("TRL of late 2025 (about 0.24-0.26, by the run date; not printed): vramplan's "
+                             "framework 'trl' is TRL 1.16's SFTTrainer (bf16 trainables, fused LM head), 'hf' peft's "
+                             "recipe; which one TRL 0.2x matches is not established")
+
     # --- lengths
     seq_exact = row.get("seq_len_exact")
     seq = int(row.get("seq_len") or 0)
@@ -355,7 +399,7 @@ def normalise(row: dict) -> dict:
         "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
         "gpus": gpus_setup, "loss": "hf", "pad_mask": False, "fsdp": fsdp, "liger": liger,
         "modules_to_save": modules_to_save, "optimizer_in_backward": in_backward, "activation_offload": act_offload,
-        "device_map": device_map,
+        "device_map": device_map, "framework": framework_knob,
     }
     if method == "full":
         setup["lora_alpha"] = None
@@ -446,7 +490,7 @@ def read_rows(paths: list[str]) -> list[dict]:
 
 def default_inputs() -> list[str]:
     found = sorted(glob.glob(os.path.join(DEFAULT_INPUTS, "*.jsonl")))
-    return found + [str(HERE / "added.jsonl")]
+    return found + [str(HERE / "added.jsonl"), str(HERE / "consumer.jsonl")]
 
 
 def build(paths: list[str]) -> list[dict]:
@@ -459,7 +503,8 @@ def dumps(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="*", help="source JSONL files (default: the shared peaks + added.jsonl)")
+    ap.add_argument("inputs", nargs="*", help="source JSONL files (default: the shared peaks + added.jsonl + "
+                                              "consumer.jsonl)")
     ap.add_argument("--out", default=str(HERE), help="folder for records.jsonl")
     args = ap.parse_args(argv)
     records = build(args.inputs or default_inputs())

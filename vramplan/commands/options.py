@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from ..setup.frameworks import FRAMEWORKS, with_framework_defaults
 from ..specs import (
     ATTENTIONS,
     DEVICE_MAPS,
@@ -247,6 +248,11 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
     SetupOption("loss", "--loss", click.Choice(LOSSES),
                 "hf: logits then cross-entropy; chunked: the head and loss per 1024-token chunk; "
                 "trl: TRL 1.16 SFTTrainer's fused LM head (4096 x 32768 tiles, no full logits)."),
+    SetupOption("framework", "--framework", click.Choice((*FRAMEWORKS, "any")),
+                "The framework that runs the step: hf (the HF Trainer with peft's QLoRA recipe, what emit writes), "
+                "trl (TRL 1.16 SFTTrainer: no fp32 upcast of a quantized base, bf16 QLoRA adapters, its fused "
+                "LM head unless --loss), axolotl, llamafactory (no upcast); unsloth, torchtune: not modelled yet; any "
+                "(plan only): plan each and take the best."),
     SetupOption("pad_mask", "--pad-mask/--no-pad-mask", None,
                 "Batches carry a padded attention_mask (SDPA gets an explicit mask)."),
     SetupOption("modules_to_save", "--modules-to-save", None,
@@ -308,6 +314,7 @@ def setup_options(fn: Callable) -> Callable:
     @user_errors
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         values = {k: kwargs.pop(k) for k in list(kwargs) if k in SETUP_FIELDS}
+        values = with_framework_defaults(values, given_fields(["loss"]))
         kwargs["setup"] = make_setup(values)
         warn_lora_unused(values["method"], given_fields(LORA_FIELDS))
         return fn(*args, **kwargs)

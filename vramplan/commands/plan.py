@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from ..setup.frameworks import with_framework_defaults
 from ..setup.wording import describe
 from ..specs import Setup, SpecError
 from .from_config import from_options
@@ -85,7 +86,9 @@ _MORE_KNOBS = {
     "fsdp": "Fix PyTorch FSDP sharding instead of ZeRO (none: no FSDP)  [default: searched on several GPUs]",
     "fsdp_version": "accelerate fsdp_version: 2 fixes FSDP2 (fully_shard; needs --fsdp)  [default: 1]",
     "dp_replicate": "Hybrid sharding: FSDP shards within --gpus/N GPUs, N replicas (needs --fsdp)  [default: 1]",
-    "loss": "[default: hf]",
+    "loss": "[default: the framework's: hf, or trl's fused head with --framework trl]",
+    "framework": "The framework that runs the step (hf, trl, axolotl, llamafactory): its model preparation; "
+                 "ZeRO/FSDP are searched with hf only; any: plan each, take the best and say why  [default: hf]",
     "liger": "Liger kernels  [default: searched where modelled, chosen only when a plain stack does not fit]",
     "dora": "DoRA adapters (peft use_dora)  [default: no]",
     "modules_to_save": "Modules trained in full beside the adapters, e.g. embed_tokens,lm_head  [default: none]",
@@ -171,6 +174,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
             raise SpecError(f"--host-ram: {exc}") from None
     corrections = corrections_for(gpu, knobs.pop("no_calibration"), knobs.pop("calibration_file"))
     fixed = {k: v for k, v in knobs.items() if v is not None}
+    fixed = with_framework_defaults(fixed)  # --framework trl: its fused head unless --loss says otherwise
     warn_lora_unused(fixed.get("method"), fixed)
     batch_count = parse_count(global_batch, "--global-batch")
     source = None
@@ -197,9 +201,15 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
         raise SpecError("--format and --accelerate-config go with --from FILE")
     elif model is None:
         raise SpecError("plan needs MODEL (a model name, Hub id or config.json) or --from FILE (a training config)")
+    ram_source = "given"
+    if ram is None:  # this machine's RAM when it holds the card (vramplan.plan() never reads the machine)
+        from ..search.planner import local_host_ram
+
+        ram = local_host_ram(gpu, nodes if isinstance(nodes, int) else 1)
+        ram_source = "local"
     try:
         result = run_plan(model, gpu, gpus=gpus, nodes=nodes, host_ram=ram, nvme=nvme, seq=seq, margin=margin,
-                          global_batch=batch_count,
+                          host_ram_source=ram_source, global_batch=batch_count,
                           tokens_per_step=parse_count(tokens_per_step, "--tokens-per-step"),
                           dataset_tokens=parse_count(dataset_tokens, "--dataset-tokens"), corrections=corrections,
                           **fixed)

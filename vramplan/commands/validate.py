@@ -20,7 +20,7 @@ from .options import calibration_options, print_json, user_errors
 @click.option("--quick", is_flag=True, help="The small subset run in CI (one family, a few knobs).")
 @click.option("--knob", "knobs", multiple=True, metavar="K",
               help="Only these knobs (repeatable): canonical, quantization, optimizer, precision, attention, "
-                   "grad_accum, checkpointing, selective_checkpointing, moe, loss, modules_to_save, dora, "
+                   "grad_accum, checkpointing, selective_checkpointing, moe, loss, framework, modules_to_save, dora, "
                    "optimizer_in_backward, activation_offload, liger, padding_free, gptq_awq, zero, fsdp, fsdp2, "
                    "hybrid_shard, ddp, device_map, tp, cp, device_overheads, measured, dpo, orpo, kto, grpo, eval.")
 @click.option("--measurements", default="calibration/measurements", show_default=True, metavar="DIR",

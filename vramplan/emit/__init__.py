@@ -53,7 +53,10 @@ __all__ = ["FORMATS", "accelerate_config", "check_out_dir", "deepspeed_config", 
 
 
 def default_formats(plan: Plan) -> tuple[str, ...]:
-    """Every format the plan uses: DeepSpeed only with ZeRO."""
+    """Every format the plan uses: DeepSpeed only with ZeRO; a plan for another framework than the HF
+    Trainer recipe (``--framework trl``, ...) is written as that framework's config."""
+    if plan.setup.framework in FRAMEWORKS:
+        return (plan.setup.framework,)
     return ("deepspeed", "accelerate", "trainer") if uses_deepspeed(plan) else ("accelerate", "trainer")
 
 
@@ -88,6 +91,12 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
     hits = known_failures(plan.setup, model)
     if hits:  # never write a combination known not to run (vramplan/setup/compat.py)
         raise SpecError(f"refusing to emit: {hits[0].message()}")
+    if "trainer" in formats and plan.setup.framework != "hf":
+        from ..setup.frameworks import framework
+
+        fw = framework(plan.setup.framework)
+        raise SpecError(f"cannot emit trainer: train.py runs the HF Trainer with peft's QLoRA recipe (--framework hf), "
+                        f"and this plan's memory is {fw.title}'s (--framework {fw.name}): use --format {fw.name}")
     files: dict[str, str] = {}
     if "deepspeed" in formats or ("trainer" in formats and uses_deepspeed(plan)):
         files[DS_CONFIG] = ds.dumps(deepspeed_config(plan, model=model))

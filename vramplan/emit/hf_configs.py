@@ -22,7 +22,7 @@ MAPPED = frozenset({"method", "lora_rank", "lora_alpha", "lora_dropout", "lora_t
                     "quant_bits", "quant_group_size", "precision", "optimizer", "checkpointing", "attn", "batch",
                     "seq", "grad_accum", "zero_stage", "offload_optimizer", "offload_params", "gpus", "loss",
                     "pad_mask", "fsdp", "liger", "dora", "modules_to_save", "optimizer_in_backward",
-                    "padding_free", "activation_offload", "fsdp_version"})
+                    "padding_free", "activation_offload", "fsdp_version", "framework"})
 
 #: Setup field -> the config keys that carry it, per format (``plan --from FILE --emit`` rewrites
 #: these keys of the user's file for each field the plan changes; a dotted key is nested)
@@ -110,6 +110,9 @@ def refusal(fmt: str, s: Setup, model: ModelSpec) -> str | None:
     why = common_refusal(s)
     if why:
         return why
+    if s.framework not in ("hf", fmt):  # --framework hf is the conservative recipe: any framework runs within it
+        return (f"framework {s.framework} (the plan's memory is that framework's preparation, not {fmt}'s: "
+                f"plan with --framework {fmt} to write this config)")
     # TRL 1.16's SFTTrainer always installs its fused LM head (trl/trainer/sft_trainer.py add_fused_lm_head):
     # a TRL config is loss trl; under autocast (not modelled for trl) it reads back as loss hf, said so
     if fmt == "trl" and s.loss == "hf" and not s.precision.endswith("-mixed"):

@@ -18,7 +18,7 @@ from ..util.units import (
 )
 from . import optimizers as opt_rules
 from .lora import lora_params
-from .precision import compute_bytes
+from .precision import adapter_param_bytes, compute_bytes, kbit_upcast
 
 
 def trainable_params(model: ModelSpec, setup: Setup) -> int:
@@ -33,7 +33,8 @@ def weight_dtype_bytes(setup: Setup) -> int:
 
 def weights_bytes(model: ModelSpec, setup: Setup) -> int:
     """Base weights. A quantized base stores its Linear weights (head excluded) at the bitsandbytes
-    bytes/param; ``prepare_model_for_kbit_training`` upcasts everything else to fp32."""
+    bytes/param; ``prepare_model_for_kbit_training`` upcasts everything else to fp32 (the HF Trainer
+    recipe; a framework that does not keeps it in the load dtype: precision.py ``kbit_upcast``)."""
     w = weight_dtype_bytes(setup)
     if setup.quant == "none":
         return (model.params_total - model.fp32_params) * w + model.fp32_params * 4
@@ -46,7 +47,7 @@ def weights_bytes(model: ModelSpec, setup: Setup) -> int:
     else:
         quantized_bytes = sum(l.count * bnb_4bit_tensor_bytes(l.weight_params, setup.double_quant)
                               for l in model.linears if l.role != "head")
-    return int(quantized_bytes + rest * 4)
+    return int(quantized_bytes + rest * (4 if kbit_upcast(setup) else w))
 
 
 def prequantized_linears(model: ModelSpec) -> list:
@@ -95,14 +96,15 @@ def gptq_saved_weights_bytes_per_layer(model: ModelSpec, setup: Setup) -> float:
 
 
 def adapter_bytes(model: ModelSpec, setup: Setup) -> int:
-    """peft upcasts adapters to fp32 (autocast_adapter_dtype=True)."""
-    return 4 * lora_params(model, setup)
+    """peft upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts a quantized model's to
+    bf16 (precision.py ``adapter_param_bytes``)."""
+    return adapter_param_bytes(setup) * lora_params(model, setup)
 
 
 def gradient_bytes(model: ModelSpec, setup: Setup) -> int:
     """One gradient per trainable parameter in its dtype (fp32 for adapters and mixed precision)."""
     if setup.adapters:
-        return 4 * lora_params(model, setup)
+        return adapter_param_bytes(setup) * lora_params(model, setup)
     return model.params_total * weight_dtype_bytes(setup)
 
 

@@ -95,7 +95,9 @@ def _numel(shape: Shape) -> int:
 
 
 def _param_bytes(setup: Setup, weight_bytes: int) -> int:
-    return 4 if setup.adapters else weight_bytes
+    from .precision import adapter_param_bytes
+
+    return adapter_param_bytes(setup) if setup.adapters else weight_bytes
 
 
 def state_bytes(model: ModelSpec, setup: Setup, weight_bytes: int) -> int:

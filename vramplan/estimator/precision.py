@@ -37,14 +37,40 @@ def autocast_bytes(setup: Setup) -> int:
     return compute_bytes(setup)
 
 
+def kbit_upcast(setup: Setup) -> bool:
+    """peft's ``prepare_model_for_kbit_training`` ran on a bitsandbytes or AWQ base: its embeddings,
+    norms, head and other 16-bit parameters are fp32. The HF Trainer recipe does (``--framework
+    hf``); TRL, axolotl (which casts them back), LLaMA-Factory and Unsloth leave them in the load
+    dtype (setup/frameworks.py). Not under DeepSpeed's 16-bit engine or FSDP (the emitted train.py
+    skips it there)."""
+    from ..setup.frameworks import framework
+
+    return (setup.quant in ("int8", "nf4", "fp4", "awq") and framework(setup.framework).kbit_upcast
+            and not deepspeed_16bit(setup) and setup.fsdp == "none")
+
+
+def adapter_param_bytes(setup: Setup) -> int:
+    """Bytes per element of the LoRA weights as parameters (their gradients and AdamW states): peft's
+    fp32, or 16-bit where the framework casts them (TRL 1.16 on a quantized base: setup/frameworks.py
+    ``kbit_adapter_bytes``)."""
+    from ..setup.frameworks import framework
+
+    if setup.quant in ("int8", "nf4", "fp4"):  # TRL casts them whatever the load dtype
+        return framework(setup.framework).kbit_adapter_bytes
+    return 4
+
+
 def compute_bytes(setup: Setup) -> int:
     """Bytes per element of the activations. A quantized base is prepared for k-bit training
     (peft ``prepare_model_for_kbit_training``), which upcasts the embeddings, norms and head to
     fp32: the residual stream, every projection's output (bitsandbytes casts its matmul result
     back to the input's dtype) and the logits are fp32; only the matmuls run in the compute dtype.
     peft skips that upcast for a GPTQ base: its activations stay in the load dtype (an AWQ base is
-    upcast; its GEMM kernel casts each input to fp16 and the output back)."""
-    if setup.quant not in ("none", "gptq") and not deepspeed_16bit(setup) and setup.fsdp == "none":
+    upcast; its GEMM kernel casts each input to fp16 and the output back). A framework that does not
+    upcast (:func:`kbit_upcast`) keeps them in the load dtype."""
+    if setup.quant in ("awq",) and not deepspeed_16bit(setup) and setup.fsdp == "none":
+        return 4
+    if kbit_upcast(setup):
         return 4  # (under FSDP the base is not prepared: estimator/fsdp.py, _packed_layer)
     return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
 
@@ -65,7 +91,7 @@ def adapter_dtype_bytes(setup: Setup) -> int:
         # 16-bit copies; without it (bf16, fp16, fp32) peft's fp32 adapters run in fp32 on fp32 inputs
         return 2 if setup.precision.endswith("-mixed") else 4
     if setup.precision == "fp32" or not setup.zero_stage:
-        return 4
+        return adapter_param_bytes(setup)
     if setup.zero_stage in (1, 2) or setup.offload_params != "none" or setup.quant != "none":
         return 2  # a quantized base is not built under zero.Init: the engine casts it, adapters too
     return 4

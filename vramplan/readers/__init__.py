@@ -20,8 +20,8 @@ from ..specs import SpecError
 from .common import Mapped, ReadConfig, ReadWarning
 from .planning import Change, PlanInputs, merge_fixed, plan_inputs, setup_changes
 
-__all__ = ["FORMATS", "Change", "PlanInputs", "ReadConfig", "ReadWarning", "detect", "merge_fixed", "plan_inputs",
-           "read_config", "read_trl_args", "setup_changes"]
+__all__ = ["FORMATS", "Change", "PlanInputs", "ReadConfig", "ReadWarning", "detect", "framework_for", "merge_fixed",
+           "plan_inputs", "read_config", "read_trl_args", "setup_changes"]
 
 #: format name -> what it is
 FORMATS = {
@@ -143,8 +143,35 @@ def read_trl_args(argv, *, accelerate=None, format: str = "trl") -> ReadConfig:
     return _finish(data, Path.cwd() / "command-line", format, m)
 
 
+def framework_for(format: str, fields) -> str:
+    """The framework a config of ``format`` with these Setup ``fields`` is estimated as
+    (setup/frameworks.py): TRL, axolotl and LLaMA-Factory where their preparation is modelled (SFT on
+    one GPU or DDP ranks, no GPTQ/AWQ base, modules_to_save or DoRA), else the HF Trainer recipe (their
+    ZeRO/FSDP runs prepare as it does there: DeepSpeed's engine casts, FSDP skips the k-bit preparation)."""
+    if format not in ("trl", "axolotl", "llamafactory"):
+        return "hf"
+    s = fields
+    sharded = s.get("zero_stage") or s.get("fsdp", "none") != "none" or s.get("tp", 1) > 1 or s.get("cp", 1) > 1 \
+        or s.get("device_map", "none") != "none"
+    if sharded or s.get("objective", "sft") != "sft" or s.get("quant") in ("gptq", "awq") \
+            or s.get("modules_to_save") or s.get("dora"):
+        return "hf"
+    return format
+
+
+def _framework(format: str, m: Mapped) -> None:
+    if format not in ("trl", "axolotl", "llamafactory"):
+        return
+    if framework_for(format, m.setup) == format:
+        m.setup["framework"] = format
+    else:
+        m.assume("framework", format, "its preparation is modelled for SFT on one GPU or DDP ranks without "
+                 "modules_to_save or DoRA: the HF Trainer recipe (--framework hf) is estimated")
+
+
 def _finish(data: dict, path: Path, format: str, m: Mapped) -> ReadConfig:
     _readers()[format](data, path, m)
+    _framework(format, m)
     if m.gpus is not None:
         m.setup["gpus"] = m.gpus
     elif m.setup.get("zero_stage") or m.setup.get("fsdp", "none") != "none":

@@ -34,7 +34,7 @@ SEARCHED_OPTIMIZERS = frozenset({"adamw", "adamw-fused", "adamw-8bit"})
 KEPT = ("method", "quant", "double_quant", "quant_bits", "quant_group_size", "lora_rank", "lora_alpha",
         "lora_dropout", "lora_targets", "precision", "loss", "optimizer", "attn", "dora", "modules_to_save",
         "padding_free", "liger", "objective", "max_prompt_length", "max_completion_length", "num_generations",
-        "ref_model", "generation", "vllm_memory_fraction", "eval_batch")
+        "ref_model", "generation", "vllm_memory_fraction", "eval_batch", "framework")
 
 _ADAPTER_KNOBS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "dora", "modules_to_save")
 _OBJECTIVE_KNOBS = ("objective", "max_prompt_length", "max_completion_length", "num_generations", "ref_model",
@@ -86,6 +86,8 @@ def kept_knobs(setup: Setup) -> dict[str, Any]:
         kept["padding_free"] = True
     if setup.liger:  # a file that runs Liger keeps it; one without it may get it as a memory saver
         kept["liger"] = True
+    if setup.framework != "hf":  # the framework that runs the file (its preparation: setup/frameworks.py)
+        kept["framework"] = setup.framework
     if setup.eval_batch:  # the run's evals (estimator/eval_step.py): judged for fit, never searched
         kept["eval_batch"] = setup.eval_batch
     if setup.objective != "sft":

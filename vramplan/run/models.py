@@ -48,6 +48,19 @@ def attn_implementation(config: dict, setup: Setup) -> str:
     return "sdpa" if setup.attn == "flash" else setup.attn
 
 
+def lora_config(setup: Setup):
+    """peft's ``LoraConfig`` of ``setup`` (rank, alpha, dropout, targets, the knobs' arguments)."""
+    import peft
+
+    from .knob_paths import lora_config_kwargs
+
+    targets = setup.lora_targets
+    return peft.LoraConfig(
+        r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
+        target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        **lora_config_kwargs(setup))
+
+
 def adapt_for_training(model, setup: Setup):
     """What every truth does after building the base: peft LoRA adapters (``setup.adapters``),
     HF gradient checkpointing (``use_reentrant=False``; inputs require grad under LoRA so the
@@ -55,18 +68,12 @@ def adapt_for_training(model, setup: Setup):
     if setup.adapters:
         import peft
 
-        from .knob_paths import lora_config_kwargs
-
-        targets = setup.lora_targets
         with warnings.catch_warnings():
             # peft 0.21's PeftModel reads transformers 5's deprecated is_gradient_checkpointing: not ours to act on
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             # modules_to_save on a tied model: peft#2777's merging caveat, nothing about the step's memory
             warnings.filterwarnings("ignore", "Model has `tie_word_embeddings=True`", UserWarning)
-            model = peft.get_peft_model(model, peft.LoraConfig(
-                r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout, task_type="CAUSAL_LM",
-                target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-                **lora_config_kwargs(setup)))
+            model = peft.get_peft_model(model, lora_config(setup))
     if setup.checkpointing:
         enable_checkpointing(model, setup.checkpoint_every)
         if setup.adapters:

@@ -12,6 +12,7 @@ from ..setup.inputs import resolve_gpu
 from ..specs import GpuSpec, ModelSpec, Plan, SpecError
 from . import explain
 from .core import Search
+from .explain_framework import framework_note
 from .geometry import DEFAULT_MARGIN, HostRamSource, Target, batch_shape, global_batch_of, typical_host_ram
 from .relax import what_would
 from .space import check_fixed, rank_choices
@@ -21,19 +22,33 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
          host_ram: int | str | None = None, nvme: bool = False, seq: int = 2048, global_batch: int | None = None,
          tokens_per_step: int | None = None, dataset_tokens: int | None = None, error_band: float | None = None,
          margin: float = DEFAULT_MARGIN, relax: bool = True, corrections: Corrections | None = None,
-         **fixed: Any) -> Plan:
+         host_ram_source: HostRamSource = "given", **fixed: Any) -> Plan:
     """The setup of ``model`` an expert would run on ``gpu`` (see :mod:`vramplan.search` for how).
 
     ``fixed`` pins Setup knobs (``method="lora"``, ``lora_rank=64``, ``quant="none"``,
     ``checkpointing=False``, ``zero_stage=3``, ``batch=4``...); every other knob is searched.
     ``lora_rank`` may be a range, ``(8, 64)`` or ``"8..64"``: the search picks inside it; unset, the
-    rank is 16. ``host_ram`` (bytes or "64GiB", per node) bounds CPU offload; None: this
-    machine's RAM when it holds ``gpu``, else the GPU profile's typical host. ``margin``: the share
+    rank is 16. ``host_ram`` (bytes or "64GiB", per node) bounds CPU offload; None: the GPU
+    profile's typical host (the same answer on every machine: this function never reads the one it
+    runs on; the CLI passes this machine's RAM when it holds ``gpu``, with ``host_ram_source="local"``,
+    see :func:`local_host_ram`). ``host_ram_source`` says where a given ``host_ram`` came from (the
+    plan's notes name it). ``margin``: the share
     of usable memory left free. ``corrections``: the device terms every estimate uses (the
     commands pass the calibrated ones, ``estimator.corrections.calibration_for``; None: the
     published defaults, the raw model). ``nvme`` allows NVMe offload. When nothing fits, the Plan has
-    ``fits`` False and notes saying what would (``relax``).
+    ``fits`` False and notes saying what would (``relax``). ``framework="any"`` plans each modelled
+    framework and takes the one that trains best (search/any_framework.py).
     """
+    if fixed.get("framework") == "any":
+        from functools import partial
+
+        from .any_framework import plan_any
+
+        return plan_any(partial(plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
+                                global_batch=global_batch, tokens_per_step=tokens_per_step,
+                                dataset_tokens=dataset_tokens, error_band=error_band, margin=margin, relax=relax,
+                                corrections=corrections, host_ram_source=host_ram_source),
+                        {k: v for k, v in fixed.items() if k != "framework"})
     spec = _resolve_model(model)
     card = _resolve_gpu(gpu)
     if isinstance(host_ram, str):
@@ -55,7 +70,9 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
         if len(ranks) == 1:
             fixed["lora_rank"] = ranks[0]
     Target(card, gpus, nodes, host_ram if isinstance(host_ram, int) else None, nvme, margin)  # checks the numbers
-    ram, source = host_ram_for(card, gpus, nodes, host_ram)
+    if host_ram_source not in ("given", "local"):
+        raise SpecError(f"host_ram_source must be 'given' or 'local'; got {host_ram_source!r}")
+    ram, source = (host_ram, host_ram_source) if host_ram is not None else typical_host_ram(card, gpus, nodes)
     target = Target(card, gpus, nodes, ram, nvme, margin, source, corrections or DEFAULT_CORRECTIONS)
     check_fixed(spec, {k: v for k, v in fixed.items() if k not in ("batch", "grad_accum")}, gpus, seq)
     if ranks is not None and len(ranks) > 1:
@@ -92,6 +109,8 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                                  global_batch_of(seq, gpus, global_batch, tokens_per_step),
                                  0 if gpu_floor is None else gpu_floor, ranks)
             notes += [explain.relaxation_note(r) for r in relaxed]
+        alt = framework_note(spec, target, shape, fixed, error_band, ranks, None)
+        notes += [alt] if alt is not None else []
         notes.append(explain.host_ram_source_note(target))
         return Plan(model=spec.name, setup=floor.setup, breakdown=floor.breakdown, gpu=card, nodes=nodes,
                     step_time_s=round(floor.step.step_s, 4), tokens_per_s=round(floor.tokens_per_s, 1),
@@ -101,6 +120,9 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                               biggest=result.search.biggest_micro_batch(chosen.setup),
                               batch_fixed=shape.per_gpu is not None or "batch" in fixed,
                               dataset_tokens=dataset_tokens)
+    alt = framework_note(spec, target, shape, fixed, error_band, ranks, chosen)
+    if alt is not None:
+        notes = [*notes, alt]
     return Plan(model=spec.name, setup=chosen.setup, breakdown=chosen.breakdown, gpu=card, nodes=nodes,
                 step_time_s=round(chosen.step.step_s, 4), tokens_per_s=round(chosen.tokens_per_s, 1),
                 alternatives=explain.alternatives(result, chosen), rejected=explain.rejected(result, chosen),
@@ -130,26 +152,22 @@ def parse_rank(value: Any) -> tuple[int, ...]:
     return (value,)
 
 
-def host_ram_for(card: GpuSpec, gpus: int, nodes: int, given: int | None) -> tuple[int, HostRamSource]:
-    """Host RAM per node a plan is checked against, and where it comes from: ``given``; else this
-    machine's RAM when it holds the card planned for (and one node is planned); else the profile's
-    typical host (:func:`~.geometry.typical_host_ram`)."""
-    if given is not None:
-        return given, "given"
-    if nodes == 1:
-        from ..model.profiles import load_gpu
-        from ..util.machine import local_gpu_names, local_ram_bytes
+def local_host_ram(card: GpuSpec, nodes: int) -> int | None:
+    """This machine's RAM when it holds the card planned for (and one node is planned), else None:
+    what the ``plan`` command passes as ``host_ram`` (``host_ram_source="local"``) when the user gives
+    none. Reads the machine; :func:`plan` itself never does."""
+    if nodes != 1:
+        return None
+    from ..model.profiles import load_gpu
+    from ..util.machine import local_gpu_names, local_ram_bytes
 
-        here = []
-        for name in local_gpu_names():
-            try:
-                here.append(load_gpu(name).name)
-            except SpecError:
-                continue
-        ram = local_ram_bytes() if card.name in here else None
-        if ram:
-            return ram, "local"
-    return typical_host_ram(card, gpus, nodes)
+    here = []
+    for name in local_gpu_names():
+        try:
+            here.append(load_gpu(name).name)
+        except SpecError:
+            continue
+    return (local_ram_bytes() or None) if card.name in here else None
 
 
 def _resolve_model(model: ModelSpec | str) -> ModelSpec:

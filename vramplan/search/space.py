@@ -23,6 +23,9 @@ from .geometry import BatchShape, Target
 from .space_cp import cp_splits
 from .space_parallel import hybrid_shards, tp_fsdp2_splits
 
+#: The most GPUs one machine (and so one ``device_map`` process) holds: DGX-2 / HGX-2's 16.
+MAX_LAYER_SPLIT_GPUS = 16
+
 #: LoRA ranks a ``--lora-rank LO..HI`` range is searched at (with LO and HI themselves).
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
 #: The LoRA rank when the user names none: the rank is a quality setting the user owns, never
@@ -60,7 +63,9 @@ FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", 
            "objective", "max_prompt_length", "max_completion_length", "num_generations", "ref_model", "generation",
            "vllm_memory_fraction",
            # the run's eval step (estimator/eval_step.py): its own phase, judged for fit, never searched
-           "eval_batch")
+           "eval_batch",
+           # the framework that runs the step (setup/frameworks.py): the user's, fixed, never searched
+           "framework")
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,8 @@ class Space:
             allowed += [(2, o, "none", "none") for o in offl] + [(3, o, "none", "none") for o in offl]
             allowed += [(3, o, o, "none") for o in offl] + fsdp
         if f.get("objective", "sft") != "sft":  # DPO/GRPO are modelled on one resident GPU (objectives.py)
+            allowed = [(0, "none", "none", "none")]
+        if f.get("framework", "hf") != "hf":  # a framework's own preparation: modelled without ZeRO/FSDP
             allowed = [(0, "none", "none", "none")]
         out = []
         for z, o, p, m in allowed:
@@ -275,8 +282,11 @@ class Space:
         pipeline parallelism: memory of a model too large for one card, at one card's speed), with
         the optimizer and checkpointing savers. Not with a fixed ZeRO/FSDP/offload placement."""
         f = self.fixed
-        # a global batch is per_gpu x gpus sequences; a split has one data-parallel rank: not searched then
-        if (self.target.gpus < 2 or self.target.nodes > 1 or f.get("objective", "sft") != "sft"
+        # a global batch is per_gpu x gpus sequences; a split has one data-parallel rank: not searched then.
+        # One process drives every GPU of the split, so they are one machine's: past MAX_LAYER_SPLIT_GPUS
+        # (the largest single machines) a split is not proposed (`--device-map` still estimates one).
+        if (self.target.gpus < 2 or self.target.gpus > MAX_LAYER_SPLIT_GPUS or self.target.nodes > 1
+                or f.get("objective", "sft") != "sft"
                 or self.shape.per_gpu is not None
                 or any(k in f for k in ("zero_stage", "offload_optimizer", "offload_params", "fsdp"))):
             return []
@@ -296,7 +306,7 @@ class Space:
     def tensor_splits(self, family: Setup) -> list[Setup]:
         """Several GPUs of one machine: tensor parallelism over all of them (``tp == gpus``,
         transformers' ``tp_plan="auto"``: each GPU a 1/tp shard of every layer, four all-reduces per
-        layer on the critical path, cost.py), where estimator/tensor_parallel.py models it (a 16-bit
+        layer on the critical path, cost/model.py), where estimator/tensor_parallel.py models it (a 16-bit
         base, torch AdamW). The cost model ranks it below data parallelism whenever that fits."""
         from ..estimator.tensor_parallel import check_tp
 

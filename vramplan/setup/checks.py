@@ -160,9 +160,35 @@ def check_padding_free(model: ModelSpec, setup: Setup) -> None:
                         "builds a block-diagonal N x N mask over the packed row (TRL warns), which is not modelled")
 
 
+def check_framework(setup: Setup) -> None:
+    """A framework other than the HF Trainer recipe is modelled on one GPU or DDP ranks, for SFT, as
+    its model preparation (setup/frameworks.py); what it replaces of the step is refused until modelled."""
+    from .frameworks import framework
+
+    if setup.framework == "hf":
+        return
+    fw = framework(setup.framework)
+    if fw.not_modelled:
+        raise SpecError(f"--framework {fw.name} ({fw.title}, {fw.version}): {fw.not_modelled}; modelled: hf, trl, "
+                        "axolotl, llamafactory")
+    sharded = setup.zero_stage or setup.fsdp != "none" or setup.tp > 1 or setup.cp > 1 or setup.device_map != "none"
+    if sharded:
+        raise SpecError(f"--framework {fw.name} with ZeRO, FSDP, tensor/context parallelism or a layer split is not "
+                        "modelled yet (its preparation is modelled on one GPU or DDP ranks); use --framework hf")
+    if setup.objective != "sft":
+        raise SpecError(f"--framework {fw.name} with --objective {setup.objective}: modelled for SFT; the DPO/GRPO "
+                        "objectives are TRL's trainers as they run (--framework hf)")
+    if setup.quant in ("gptq", "awq"):
+        raise SpecError(f"--framework {fw.name} on a GPTQ/AWQ base is not modelled yet; use --framework hf")
+    if setup.modules_to_save.strip() or setup.dora:
+        raise SpecError(f"--framework {fw.name} with modules_to_save or DoRA is not modelled yet (each framework "
+                        "casts trainable copies its own way); use --framework hf")
+
+
 def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[str]:
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
+    check_framework(setup)
     check_fsdp2(model, setup)
     if setup.cp > 1:  # context parallelism: what its truth does not run is refused
         from ..estimator.context_parallel import check_cp

@@ -20,6 +20,7 @@ from ..model.rawinput import (  # re-exported: the readers that need no shipped 
     MAX_DEPTH,
     MAX_FILE_BYTES,
     check_model_config,
+    check_numbers,
     count_shown,
     loads_json,
     read_model_config,
@@ -29,9 +30,9 @@ from ..model.rawinput import (  # re-exported: the readers that need no shipped 
 from ..specs import GpuSpec, Setup, SpecError
 
 __all__ = ["MAX_COUNTS", "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_GPU_BYTES", "MAX_NODES", "MAX_YAML_BYTES", "MIN_GPU_BYTES",
-           "ambiguous_gpu_alias", "check_count", "check_model_config", "compose_yaml", "construct_yaml",
-           "count_shown", "load_structured", "loads_json", "loads_yaml", "read_model_config", "read_text",
-           "resolve_gpu", "setup_from_mapping", "shown_value"]
+           "ambiguous_gpu_alias", "check_count", "check_model_config", "check_numbers", "compose_yaml",
+           "construct_yaml", "count_shown", "load_structured", "loads_json", "loads_yaml", "read_model_config",
+           "read_text", "resolve_gpu", "setup_from_mapping", "shown_value"]
 
 MAX_NODES = 200_000
 #: YAML is parsed node by node (a composed graph is checked before it is built): 1 MiB keeps the
@@ -148,8 +149,18 @@ def ambiguous_gpu_alias(name: str) -> tuple[str, list[str]] | None:
     key = name.strip().lower().replace(" ", "-").replace("_", "-").removeprefix("nvidia-")
     if key == chosen:
         return None
-    others = [g.name for g in gpus() if g.name != chosen and (g.name.startswith(key + "-") or g.name == key)]
+    keys = (key, "rtx-" + key)  # a bare "3080" or "4060-ti" names the RTX card
+
+    def variant(g: str) -> bool:  # the same card with other memory (a100-40gb / a100-80gb), not a -ti/-super/laptop
+        rest = next((g[len(k) + 1:] for k in keys if g.startswith(k + "-")), None)
+        return rest is not None and rest.split("-")[0] not in _OTHER_CARDS
+
+    others = [g.name for g in gpus() if g.name != chosen and (variant(g.name) or g.name in keys)]
     return (chosen, others) if others else None
+
+
+#: name parts that make another card of the same number (an RTX 3060 Ti is not an RTX 3060)
+_OTHER_CARDS = frozenset({"ti", "super", "laptop", "mobile", "max", "ada"})
 
 
 #: The largest GPU memory accepted (1 PiB): beyond it a number is a typo, not a card.
@@ -243,11 +254,13 @@ def construct_yaml(node, where: str) -> Any:
         return None
     loader = yaml.SafeLoader("")
     try:
-        return loader.construct_document(node)
+        data = loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise SpecError(f"{where}: not valid YAML ({_yaml_detail(exc)})") from None
     finally:
         loader.dispose()
+    check_numbers(data, where)
+    return data
 
 
 def loads_yaml(text: str, where: str) -> Any:

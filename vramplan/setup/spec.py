@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..util.errors import SpecError, check_choice, check_positive
+from .frameworks import FRAMEWORKS
 
 __all__ = [
-    "ATTENTIONS", "DEVICE_MAPS", "FSDP_MODES", "GENERATIONS", "LOSSES", "METHODS", "OBJECTIVES", "OFFLOADS",
-    "OPTIMIZERS", "PRECISIONS", "PREQUANTIZED", "QUANTS", "QUANT_BITS", "QUANT_GROUP_SIZES", "REF_MODELS", "Setup",
+    "ATTENTIONS", "DEVICE_MAPS", "FRAMEWORKS", "FSDP_MODES", "GENERATIONS", "LOSSES", "METHODS", "OBJECTIVES",
+    "OFFLOADS", "OPTIMIZERS", "PRECISIONS", "PREQUANTIZED", "QUANTS", "QUANT_BITS", "QUANT_GROUP_SIZES", "REF_MODELS",
+    "Setup",
 ]
 
 METHODS = ("full", "lora", "qlora")
@@ -79,6 +81,9 @@ class Setup:
     offload_params: str = "none"
     gpus: int = 1
     loss: str = "hf"
+    #: the framework that runs the step (setup/frameworks.py): how it prepares the model (the fp32
+    #: upcast of a quantized base, the LoRA weights' dtype); hf: the HF Trainer with peft's QLoRA recipe
+    framework: str = "hf"
     #: the batch carries a padded ``attention_mask`` (a collator padding to the longest sequence):
     #: SDPA then gets an explicit boolean mask instead of ``is_causal``
     pad_mask: bool = False
@@ -147,6 +152,7 @@ class Setup:
         check_choice("offload_optimizer", self.offload_optimizer, OFFLOADS)
         check_choice("offload_params", self.offload_params, OFFLOADS)
         check_choice("loss", self.loss, LOSSES)
+        check_choice("framework", self.framework, FRAMEWORKS)
         for name in ("lora_rank", "batch", "seq", "grad_accum", "gpus"):
             check_positive(name, getattr(self, name))
         if self.lora_alpha is not None:

@@ -15,6 +15,8 @@ __all__ = ["describe", "params"]
 def describe(setup: Setup) -> str:
     """One line naming the setup: method, precision, optimizer, shape, memory savers."""
     parts = [setup.method]
+    if setup.framework != "hf":  # the framework that runs it (setup/frameworks.py); hf: the default recipe
+        parts[0] = f"{setup.framework}: {setup.method}"
     if setup.adapters:
         parts[0] += f" r={setup.lora_rank} alpha={setup.alpha}"
         if setup.lora_targets != "all-linear":

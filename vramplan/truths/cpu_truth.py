@@ -91,10 +91,20 @@ def _saved_dir(config: dict, dtype) -> str:
 def build_model(config: dict, setup: Setup):
     """The model of ``setup``: bf16/fp16/fp32 weights (fp32 for mixed precision), or a
     bitsandbytes base prepared for k-bit training; LoRA adapters; checkpointing."""
+    from ..run.models import adapt_for_training
+
+    return adapt_for_training(load_base(config, setup), setup)
+
+
+def load_base(config: dict, setup: Setup):
+    """The base of ``setup`` before any adapter: bf16/fp16/fp32 weights, or a bitsandbytes base,
+    prepared for k-bit training (peft's ``prepare_model_for_kbit_training``, its fp32 upcast) when
+    the framework does that (``--framework hf``: setup/frameworks.py); TRL, axolotl and
+    LLaMA-Factory leave it as loaded."""
     import torch
     import transformers
 
-    from ..run.models import adapt_for_training, attn_implementation, hf_config
+    from ..run.models import attn_implementation, hf_config
 
     dtype = getattr(torch, PRECISION_WEIGHT_DTYPE[setup.precision])
     attn = attn_implementation(config, setup)
@@ -116,11 +126,13 @@ def build_model(config: dict, setup: Setup):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             _saved_dir(config, dtype), quantization_config=qcfg, dtype=dtype, device_map="cpu",
             attn_implementation=attn, use_cache=False)
-        import peft
+        from ..setup.frameworks import framework
 
-        # checkpointing is adapt_for_training's (peft's would call the deprecated gradient_checkpointing_enable)
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = adapt_for_training(model, setup)
+        if framework(setup.framework).kbit_upcast:
+            import peft
+
+            # checkpointing is adapt_for_training's (peft's would call the deprecated gradient_checkpointing_enable)
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
 
 

@@ -21,6 +21,7 @@ Setup's dtype and the trainers' ``bf16``/``fp16`` autocast is off, as in vrampla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import tempfile
 import time
@@ -42,6 +43,9 @@ class ObjectiveTruth:
     phase: str
     params_trainable: int
     seconds: float = 0.0
+    #: the frozen base's bytes (parameters, buffers and bitsandbytes' quantization state) as the trainer
+    #: holds them before the first step (0 where not measured)
+    weights_bytes: int = 0
 
 
 def word_tokenizer(vocab: int, eos: int):
@@ -265,7 +269,10 @@ def run_grpo(config: dict, setup: Setup) -> ObjectiveTruth:
 def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:
     """Two SFTTrainer steps of ``setup`` (``--loss trl``): ``batch`` rows of exactly ``seq`` token ids
     (a pre-tokenized dataset: SFTTrainer skips its tokenization, the collator copies ``input_ids`` to
-    ``labels``, no padding), TRL's fused LM head as SFTTrainer installs it."""
+    ``labels``, no padding), TRL's fused LM head as SFTTrainer installs it. With ``--framework trl``
+    SFTTrainer prepares the model itself, as users run it: the base as loaded (no
+    ``prepare_model_for_kbit_training``), ``peft_config`` handed to the trainer (its ``get_peft_model``,
+    ``enable_input_require_grads`` and, on a quantized base, the bf16 cast of the adapters)."""
     import numpy as np
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -279,16 +286,44 @@ def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:
     n = setup.batch * setup.grad_accum * 2
     data = Dataset.from_list([{"input_ids": [int(x) for x in gen.integers(2, vocab, size=setup.seq)]}
                               for _ in range(n)])
-    model = build_model(config, setup.replace(checkpointing=False))
+    extra = {}
+    if setup.framework == "trl":
+        from ..run.models import lora_config
+        from .cpu_truth import load_base
+
+        model = load_base(config, setup)
+        if setup.adapters:
+            extra["peft_config"] = lora_config(setup)
+    else:
+        model = build_model(config, setup.replace(checkpointing=False))
     with _quiet(), tempfile.TemporaryDirectory() as out:
         args = SFTConfig(**{**_config_common(setup, out), "per_device_train_batch_size": setup.batch},
                          max_length=setup.seq, packing=False, dataset_num_proc=None)
         counter = LiveTensorCounter(device="cpu")
         phases = _Phases(counter)
         trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=word_tokenizer(vocab, eos),
-                             callbacks=[_callback(phases)])
+                             callbacks=[_callback(phases)], **extra)
+        model = trainer.model
+        weights = frozen_bytes(model)
         peaks = _run(trainer, trainer.model, phases)
-    return _result(peaks, model, t0)
+    return dataclasses.replace(_result(peaks, model, t0), weights_bytes=weights)
+
+
+def frozen_bytes(model) -> int:
+    """Bytes of ``model``'s frozen parameters and buffers and of bitsandbytes' quantization state
+    (each storage once): the base as the trainer holds it."""
+    from ..run.cuda_paths import quant_state_tensors
+
+    seen, total = set(), 0
+    tensors = [p for p in model.parameters() if not p.requires_grad]
+    tensors += list(model.buffers()) + quant_state_tensors(model)
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
 
 
 def _eos(config: dict) -> int:

@@ -24,7 +24,7 @@ from ..specs import Setup
 from .accuracy import Row
 from .evaluation import EVAL_CASE_PHASES, eval_cases, eval_cpu_rows
 from .knobs import KNOB_CASE_PHASES, distributed_knob_rows, knob_cases
-from .objectives import objective_cases, objective_rows, trl_loss_cases
+from .objectives import framework_cases, objective_cases, objective_rows, trl_loss_cases
 
 #: Models of the matrix: three dense families for every knob, three MoE families for MoE routing.
 DENSE = ("meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-7B", "google/gemma-2b")
@@ -37,7 +37,7 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 #: Knobs in table order.
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
          "selective_checkpointing",
-         "moe", "loss", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
+         "moe", "loss", "framework", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
          "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map", "tp", "cp",
          "device_overheads",
          "measured", "dpo", "orpo", "kto", "grpo", "eval")
@@ -51,7 +51,7 @@ class Case:
     knob: str
     model: str
     setup: Setup
-    truth: str  # trace | cpu-run | eval-cpu (validate_eval.py) | trl-cpu | trl-trace
+    truth: str  # trace | cpu-run | eval-cpu (validate/evaluation.py) | trl-cpu | trl-trace
     layers: int | None = 4  # trace: truncation (None: whole model); cpu-run: see CPU_SHRINK
     shrink: dict = field(default_factory=lambda: dict(CPU_SHRINK))
 
@@ -92,6 +92,7 @@ def matrix(quick: bool = False) -> list[Case]:
             *_trace_cases("grad_accum", m, [s.replace(grad_accum=2)], layers=2),
             *_trace_cases("loss", m, [s.replace(loss="chunked", batch=2)], layers=2),
             *trl_loss_cases(True, Case, DENSE),
+            *framework_cases(True, Case, DENSE),
             *_trace_cases("checkpointing", m, [s.replace(method="lora", checkpointing=True)], layers=2),
             *_trace_cases("moe", MOE[1:2], [Setup(method="lora", seq=128)], layers=2),
             *_trace_cases("liger", m, [s.replace(method="lora", liger=True, batch=2)], layers=2),
@@ -134,6 +135,7 @@ def matrix(quick: bool = False) -> list[Case]:
                                       s.replace(method="lora", loss="chunked", batch=4)]),
         *_cpu_cases("loss", DENSE[:1], [short.replace(loss="chunked", seq=512, batch=4)]),
         *trl_loss_cases(False, Case, DENSE),
+        *framework_cases(False, Case, DENSE),
         *_trace_cases("liger", DENSE, LIGER_SETUPS),
         *_trace_cases("padding_free", DENSE, PADDING_FREE_SETUPS),
         *objective_cases(False, Case, DENSE),
@@ -149,9 +151,9 @@ def run_case(case: Case) -> list[Row]:
     from ..model.architecture import model_spec_from_config, with_layers
     from ..model.profiles import load_model
 
-    if case.truth in ("trl-cpu", "trl-trace"):  # the DPO/GRPO objectives (validate_objectives.py)
+    if case.truth in ("trl-cpu", "trl-trace"):  # the DPO/GRPO objectives (validate/objectives.py)
         return objective_rows(case)
-    if case.truth == "eval-cpu":  # a real Trainer.evaluate (validate_eval.py)
+    if case.truth == "eval-cpu":  # a real Trainer.evaluate (validate/evaluation.py)
         return eval_cpu_rows(case, Row)
     model = load_model(case.model)
     if case.truth == "trace":
@@ -251,7 +253,7 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
             rows.append(_unverified(knob, Setup(zero_stage=2, gpus=2) if knob == "zero" else Setup(gpus=2),
                                     f"no {knob} rows from the N-process truth "
                                     "(vramplan.truths.distributed.zero_rows) yet"))
-    # on 2 ranks: ZeRO 1/2 and DDP (validate_knobs.py); not in --quick, which leaves N-process truths to their tests
+    # on 2 ranks: ZeRO 1/2 and DDP (validate/knobs.py); not in --quick, which leaves N-process truths to their tests
     if "modules_to_save" in wanted and not quick:
         try:
             rows += distributed_knob_rows(quick, Row)

@@ -42,6 +42,20 @@ def trl_loss_cases(quick: bool, case_type, dense: tuple[str, ...]) -> list:
     ]
 
 
+def framework_cases(quick: bool, case_type, dense: tuple[str, ...]) -> list:
+    """The ``--framework`` rows of ``validate --knob framework``: TRL 1.16's own SFTTrainer on the CPU
+    preparing the model itself (peft_config handed to it: no fp32 upcast of the quantized base, its
+    adapters cast to bf16), NF4 and 8-bit bases, checkpointing, a 16-bit LoRA base
+    (setup/frameworks.py). (TRL's head on the HF recipe's upcast NF4 base, ``--framework hf --loss
+    trl``, is +5.5 % / +6.0 % on these shapes: a ``loss`` knob gap, not a framework's.)"""
+    trl = SFT_TRL.replace(framework="trl")
+    if quick:
+        return [case_type("framework", dense[0], trl.replace(method="qlora"), "trl-cpu")]
+    return [case_type("framework", name, trl.replace(**kw), "trl-cpu") for name in dense[:2]
+            for kw in ({"method": "qlora"}, {"method": "qlora", "checkpointing": True}, {"method": "lora"},
+                       {"method": "lora", "quant": "int8"})]
+
+
 def objective_cases(quick: bool, case_type, dense: tuple[str, ...]) -> list:
     """The dpo, orpo, kto and grpo cases (``case_type``: validate.Case)."""
     m = dense[:1]

@@ -1,0 +1,184 @@
+"""``--framework`` (issue 28): the framework that runs the step, as its model preparation changes
+memory (vramplan/setup/frameworks.py): the fp32 upcast of a quantized base (the HF Trainer recipe's
+``prepare_model_for_kbit_training``; not TRL, axolotl, LLaMA-Factory), the LoRA weights' dtype (TRL
+casts a quantized model's to bf16), the loss each runs by default; carried by Setup, the CLI, plan
+files, readers and writers; TRL's real SFTTrainer on the CPU as the truth."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import assert_user_error
+from click.testing import CliRunner
+
+from vramplan import Setup, estimate, load_gpu, load_model, plan
+from vramplan.cli import main
+from vramplan.setup.frameworks import FRAMEWORKS, framework, with_framework_defaults
+from vramplan.util.errors import SpecError
+
+GiB = 2**30
+QLORA = Setup(method="qlora", checkpointing=True)
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def _component(bd, name: str) -> int:
+    return bd.component(name)
+
+
+def test_trl_weights_are_the_upcast_below_hf():
+    """Qwen3-8B QLoRA: peft's upcast makes its 1.245 B embedding, head and norm parameters fp32 under
+    the HF recipe (+2 bytes each: 2.32 GiB); TRL's SFTTrainer keeps them bf16."""
+    data = {fw: json.loads(run("estimate", "qwen3-8b", "--method", "qlora", "--checkpointing", "--framework", fw,
+                               "--json").stdout) for fw in ("hf", "trl")}
+    weights = {fw: next(c["bytes"] for c in d["components"] if c["name"] == "weights") for fw, d in data.items()}
+    assert (weights["hf"] - weights["trl"]) / GiB == pytest.approx(2.32, abs=0.01)
+    spec = load_model("qwen3-8b")
+    rest = spec.params_total - sum(l.count * l.weight_params for l in spec.linears if l.role != "head")
+    assert weights["hf"] - weights["trl"] == 2 * rest
+    assert data["trl"]["setup"]["framework"] == "trl" and data["trl"]["setup"]["loss"] == "trl"  # its fused head
+    assert data["hf"]["setup"]["framework"] == "hf" and data["hf"]["setup"]["loss"] == "hf"
+
+
+def test_each_framework_prepares_as_its_source_says():
+    model = load_model("llama-3.1-8b")
+    hf, trl, axo, lf = (estimate(model, QLORA.replace(framework=fw)) for fw in ("hf", "trl", "axolotl", "llamafactory"))
+    # no upcast: the same base weights; bf16 activations (the upcast made the residual stream fp32)
+    assert _component(trl, "weights") == _component(axo, "weights") == _component(lf, "weights") \
+        < _component(hf, "weights")
+    assert axo.tensor_peak_bytes == lf.tensor_peak_bytes < hf.tensor_peak_bytes
+    # TRL casts a quantized model's adapters to bf16: adapters, gradients and AdamW states halve
+    for name in ("adapters", "gradients", "optimizer_states"):
+        assert _component(trl, name) * 2 == _component(axo, name) == _component(hf, name), name
+    # on a 16-bit base TRL keeps peft's fp32 adapters
+    lora = Setup(method="lora", checkpointing=True)
+    assert _component(estimate(model, lora.replace(framework="trl")), "adapters") == \
+        _component(estimate(model, lora), "adapters")
+    # Setup(framework=...) changes nothing else: the loss stays the caller's
+    assert QLORA.replace(framework="trl").loss == "hf"
+    assert with_framework_defaults({"framework": "trl"})["loss"] == "trl"
+    assert "loss" not in with_framework_defaults({"framework": "trl", "precision": "bf16-mixed"})
+    assert with_framework_defaults({"framework": "trl", "loss": "chunked"})["loss"] == "chunked"
+    # with every knob at its default nothing moved
+    assert estimate(model, QLORA) == hf
+
+
+def test_every_framework_cites_its_version_and_source():
+    for name in FRAMEWORKS:
+        fw = framework(name)
+        assert fw.version and fw.source and fw.title
+        assert fw.kbit_adapter_bytes in (2, 4) and fw.default_loss
+    assert [n for n in FRAMEWORKS if framework(n).not_modelled] == ["unsloth", "torchtune"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--framework", "unsloth"], "--framework unsloth (Unsloth, unsloth 2026.8.19"),
+    (["--framework", "torchtune"], "torchtune runs its own model implementation"),
+    (["--framework", "trl", "--zero", "2", "--gpus", "2"], "with ZeRO, FSDP"),
+    (["--framework", "trl", "--objective", "dpo"], "modelled for SFT"),
+    (["--framework", "axolotl", "--modules-to-save", "lm_head"], "modules_to_save or DoRA"),
+    (["--framework", "jax"], "--framework"),
+])
+def test_what_is_not_modelled_is_refused_in_one_line(args, fragment):
+    assert_user_error(run("estimate", "llama-3.2-1b", "--method", "qlora", *args), fragment)
+
+
+def test_plan_on_a_12gb_card_fits_in_vram_with_trl():
+    """The issue's example: Qwen3-8B on an RTX 3060 12GB. The HF recipe (fp32 upcast, full logits)
+    needs ZeRO-3 with CPU offload; TRL's SFTTrainer trains QLoRA in VRAM with headroom."""
+    gpu = load_gpu("rtx-3060-12gb")
+    p = plan("qwen3-8b", gpu, framework="trl", loss="trl")
+    s = p.setup
+    assert p.fits and s.framework == "trl" and s.method == "qlora" and s.lora_rank <= 64
+    assert s.zero_stage == 0 and s.fsdp == "none" and s.offload_optimizer == s.offload_params == "none"
+    assert p.breakdown.device_total_bytes <= 0.9 * gpu.usable_memory_bytes
+    data = json.loads(run("plan", "qwen3-8b", "--gpu", "rtx-3060-12gb", "--framework", "trl", "--json").stdout)
+    assert data["setup"]["framework"] == "trl" and data["setup"]["loss"] == "trl"
+
+
+def test_plan_file_and_emit_carry_the_framework(tmp_path):
+    out = tmp_path / "plan.yaml"
+    result = run("plan", "llama-3.2-1b", "--gpu", "rtx-4090", "--framework", "trl", "--method", "qlora",
+                 "--out", str(out))
+    assert result.exit_code == 0, result.output
+    emitted = tmp_path / "emitted"
+    result = run("emit", str(out), "--out", str(emitted))
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in emitted.iterdir())
+    assert "trl_config.yaml" in names or any(n.endswith(".yaml") and "trl" in n for n in names), names
+    assert "train.py" not in names  # train.py is the HF recipe, not TRL's
+    assert_user_error(run("emit", str(out), "--out", str(tmp_path / "e2"), "--format", "trainer"),
+                      "cannot emit trainer", "--format trl")
+    assert_user_error(run("emit", str(out), "--out", str(tmp_path / "e3"), "--format", "axolotl"),
+                      "framework trl")
+
+
+def test_readers_name_the_framework(tmp_path):
+    from vramplan.readers import read_config
+
+    trl = tmp_path / "sft.yaml"
+    trl.write_text("model_name_or_path: meta-llama/Llama-3.2-1B\nmax_length: 512\nuse_peft: true\n"
+                   "load_in_4bit: true\ndtype: bfloat16\n")
+    assert read_config(trl, format="trl").setup.framework == "trl"
+    axo = tmp_path / "axolotl.yaml"
+    axo.write_text("base_model: meta-llama/Llama-3.2-1B\nadapter: qlora\nload_in_4bit: true\nsequence_len: 512\n"
+                   "micro_batch_size: 1\nbf16: true\n")
+    assert read_config(axo).setup.framework == "axolotl"
+    (tmp_path / "zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    axo.write_text(axo.read_text() + "deepspeed: zero2.json\n")
+    sharded = read_config(axo)  # ZeRO: the HF recipe's preparation (the engine casts everything to 16 bits)
+    assert sharded.setup.framework == "hf" and any(w.field == "framework" for w in sharded.warnings)
+
+
+def test_trl_sft_trainer_truth_qlora_without_the_upcast():
+    """TRL 1.16's own SFTTrainer on the CPU (a narrowed Qwen3, an NF4 base, peft_config handed to the
+    trainer as users do): the base it holds is the bf16 one (no upcast; within 0.1 %) and the step's
+    tensor peak is within 5 % of the estimate; the HF recipe's base is the upcast one."""
+    pytest.importorskip("trl")
+    pytest.importorskip("bitsandbytes")
+    from vramplan.estimator.stack import Stack
+    from vramplan.model.architecture import model_spec_from_config
+    from vramplan.model.modelspec import shrink_config
+    from vramplan.truths.objectives import run_sft
+
+    model = load_model("qwen3-8b")
+    cfg = shrink_config(model.config, layers=2, hidden=256, heads=8, vocab=4096)
+    spec = model_spec_from_config(cfg, name=f"{model.name}[narrow]", source=model.source)
+    got = {}
+    for fw in ("trl", "hf"):
+        setup = Setup(method="qlora", seq=128, batch=2, loss="trl", framework=fw)
+        truth = run_sft(cfg, setup)
+        est = estimate(spec, setup, stack=Stack(trl_triton=False))
+        assert est.component("weights") == pytest.approx(truth.weights_bytes, rel=1e-3), fw
+        assert est.tensor_peak_bytes == pytest.approx(truth.tensor_peak_bytes, rel=0.05), fw
+        got[fw] = truth
+    assert got["trl"].weights_bytes < got["hf"].weights_bytes  # the upcast TRL does not do, measured
+    assert got["trl"].params_trainable == got["hf"].params_trainable
+
+
+def test_the_framework_changes_no_estimate_by_default():
+    with pytest.raises(SpecError, match="framework must be one of"):
+        Setup(framework="keras")
+
+
+def test_framework_any_plans_each_and_says_why():
+    p = plan("qwen3-8b", "rtx-3060-12gb", framework="any")
+    assert p.fits and p.setup.framework == "trl" and p.setup.zero_stage == 0  # the one that stays in VRAM
+    [note] = [n for n in p.notes if n.kind == "framework"]
+    assert note.startswith("framework: trl") and "hf (the HF Trainer" in note and "axolotl" in note
+    big = plan("llama-3.1-8b", "a100-80gb", framework="any")  # everything resident: the faster, the HF recipe
+    assert big.setup.framework == "hf" and big.setup.method == "full"
+    assert_user_error(run("estimate", "llama-3.2-1b", "--framework", "any"), "--framework must be one of")
+
+
+def test_the_default_plan_names_the_framework_that_fits_in_vram():
+    """The HF recipe's plan for Qwen3-8B on a 12 GB card offloads to the CPU; its notes say what
+    --framework trl trains in VRAM (never switched silently: the framework is the user's)."""
+    p = plan("qwen3-8b", "rtx-3060-12gb")
+    assert p.setup.framework == "hf" and (p.setup.zero_stage or p.setup.offload_optimizer != "none")
+    [note] = [n for n in p.notes if n.kind == "framework"]
+    assert note.startswith("--framework trl") and "in VRAM" in note and "qlora" in note
+    assert not [n for n in plan("llama-3.1-8b", "a100-80gb").notes if n.kind == "framework"]  # resident: no note
