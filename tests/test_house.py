@@ -217,3 +217,10 @@ def test_estimate_follows_the_transformers_version_asked_for():
     installed = json.loads(run(*base, "--transformers", "installed").stdout)
     assert installed["modelled_versions"]["transformers"] == MODELLED["transformers"]  # pinned here: 5.24.0
     assert_user_error(run(*base, "--transformers", "banana"), "--transformers", "not a version")
+
+
+def test_the_fused_experts_warning_is_transformers_5s():
+    base = ["estimate", "mixtral-8x7b", "--method", "qlora", "--checkpointing"]
+    assert "fused 3-D tensors that bitsandbytes" in run(*base).stderr
+    old = run(*base, "--transformers", "4.48.1").stderr
+    assert "fused 3-D tensors that bitsandbytes" not in old and "quantizes the per-expert nn.Linear layers" in old

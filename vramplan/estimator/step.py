@@ -65,6 +65,8 @@ def estimate(
         return tensor_parallel.rank_estimate(model, setup, gpu, corrections, stack, estimate)
     single = _model_states(model, setup)
     notes = check(model, setup, gpu)  # raises SpecError for a setup peft would refuse
+    if stack.moe_experts_linear:  # transformers 4.x quantizes per-expert Linears: the fused-experts warning is 5's
+        notes = [n for n in notes if "fused 3-D tensors that bitsandbytes" not in n]
     notes += stack_notes(model, setup, stack)
     cast = _autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)

@@ -34,6 +34,20 @@ def _aliases() -> dict[str, str]:
     return table
 
 
+@functools.lru_cache(maxsize=1)
+def _profile_files() -> dict[str, str]:
+    """lowercase HF id -> HF id of every config in the package's models/ (the indexed ones and those
+    only a published record loads, e.g. mistralai/Mistral-7B-v0.1): a Hub id whose config ships
+    resolves offline whether or not aliases.json lists it."""
+    out = {}
+    for entry in (_data() / "models").iterdir():
+        name = entry.name
+        if name.endswith(".json") and "--" in name:
+            hf_id = name[: -len(".json")].replace("--", "/", 1)
+            out[hf_id.lower()] = hf_id
+    return out
+
+
 def shipped_models() -> dict[str, list[str]]:
     """HF id -> aliases of every shipped model profile."""
     return json.loads((_data() / "aliases.json").read_text())["aliases"]
@@ -57,7 +71,7 @@ def load_model(name: str) -> ModelSpec:
     if not name or not name.strip():
         raise SpecError("model name is empty")
     key = name.strip()
-    hf_id = _aliases().get(key.lower())
+    hf_id = _aliases().get(key.lower()) or _profile_files().get(key.lower())
     if hf_id is not None:
         file = _data() / "models" / (hf_id.replace("/", "--") + ".json")
         cfg = json.loads(file.read_text())
