@@ -68,8 +68,6 @@ def compute_bytes(setup: Setup) -> int:
     peft skips that upcast for a GPTQ base: its activations stay in the load dtype (an AWQ base is
     upcast; its GEMM kernel casts each input to fp16 and the output back). A framework that does not
     upcast (:func:`kbit_upcast`) keeps them in the load dtype."""
-    if setup.quant in ("awq",) and not deepspeed_16bit(setup) and setup.fsdp == "none":
-        return 4
     if kbit_upcast(setup):
         return 4  # (under FSDP the base is not prepared: estimator/fsdp.py, _packed_layer)
     return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])

@@ -9,11 +9,11 @@ the MoE note of estimator/step.py). Anything not listed is modelled as the defau
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..specs import ModelSpec, Setup
 from ..util.units import bnb_4bit_tensor_bytes, gib
+from ..util.versions import boundary, version_tuple
 
 #: what the formulas are read off (the default Stack), stated in every Breakdown's notes
 MODELLED_VERSIONS = {"transformers": "5", "torch": "2.13", "peft": "0.21", "accelerate": "1.15",
@@ -21,11 +21,16 @@ MODELLED_VERSIONS = {"transformers": "5", "torch": "2.13", "peft": "0.21", "acce
 
 
 def _version(text: str) -> tuple[int, ...]:
-    """'4.48.1' -> (4, 48, 1); a leading number only ('5' -> (5,))."""
-    m = re.match(r"\s*(\d+(?:\.\d+)*)", text)
-    if not m:
+    """'4.48.1' -> (4, 48, 1); a leading number only ('5' -> (5,)); a non-version raises ValueError."""
+    v = version_tuple(text)
+    if not v:
         raise ValueError(f"not a version: {text!r}")
-    return tuple(int(p) for p in m.group(1).split("."))
+    return v
+
+
+def _before(key: str, version: str) -> bool:
+    """``version`` lies on the older side of the boundary ``key`` (util/versions.py BOUNDARIES)."""
+    return boundary(key).side(version) == "before"
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class Stack:
         second fp32 copy of b (s-1) V logits alive beside the first while cross_entropy runs.
         4.49.0 replaced the shift by padding the labels (``nn.functional.pad(labels, (0, 1))``);
         read off the 4.46.0, 4.48.1 and 4.49.0 wheels."""
-        return (4, 46) <= _version(self.transformers)[:2] < (4, 49)
+        return _before("loss_shift_copy", self.transformers)
 
     @property
     def moe_experts_linear(self) -> bool:
@@ -59,7 +64,7 @@ class Stack:
         modeling_mixtral.py: ``MixtralBlockSparseTop2MLP`` w1/w2/w3), which bitsandbytes
         quantizes and peft can target one by one; transformers 5 fuses them into 3-D parameters
         that ``replace_with_bnb_linear`` skips."""
-        return _version(self.transformers)[:1] < (5,)
+        return _before("moe_experts_linear", self.transformers)
 
     @property
     def reentrant_checkpointing(self) -> bool:
@@ -69,7 +74,7 @@ class Stack:
         ``{"use_reentrant": False}`` (5.24). Reentrant checkpointing runs each layer's first forward
         under ``no_grad``, which moves FSDP1's backward prefetch (estimator/fsdp.py
         ``fsdp_phase_peaks``)."""
-        return _version(self.transformers)[:1] < (5,)
+        return _before("reentrant_checkpointing", self.transformers)
 
     def describe(self) -> str:
         libs = dict(MODELLED_VERSIONS, transformers=self.transformers)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..setup.frameworks import framework, with_framework_defaults
 from ..specs import Note, Plan
+from .labels import size
 from .rank import quality, residency
 
 #: the frameworks ``any`` plans, in tie order
@@ -31,7 +32,7 @@ def _line(p: Plan) -> str:
     if not p.fits:
         return f"{fw.name} ({fw.title}): nothing fits"
     where = "in VRAM" if residency(p.setup) == 0 else "with a distributed engine or offload"
-    return (f"{fw.name} ({fw.title}): {p.setup.method} {where}, {p.breakdown.device_total_bytes / 2**30:.1f} GiB, "
+    return (f"{fw.name} ({fw.title}): {p.setup.method} {where}, {size(p.breakdown.device_total_bytes)}, "
             f"~{p.tokens_per_s:,.0f} tokens/s")
 
 

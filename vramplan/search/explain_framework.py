@@ -10,10 +10,10 @@ from typing import Any
 
 from ..setup.frameworks import framework, with_framework_defaults
 from ..setup.wording import describe
-from ..specs import ModelSpec, Note
+from ..specs import ModelSpec, Note, SpecError
 from .core import Search
 from .geometry import BatchShape, Target
-from .labels import size
+from .labels import savers_text, size
 from .rank import residency
 from .verdicts import Candidate
 
@@ -31,26 +31,15 @@ def framework_note(spec: ModelSpec, target: Target, shape: BatchShape, fixed: di
     alt_fixed = with_framework_defaults({**fixed, "framework": ALTERNATIVE})
     try:
         alt = Search(spec, target, shape, alt_fixed, error_band, ranks=ranks).run().choose()
-    except Exception:  # the alternative is advice: a search that cannot run it gives none  # noqa: BLE001
+    except SpecError:  # the alternative is advice: fixed knobs it cannot take give none
         return None
     if alt is None or residency(alt.setup) != 0:
         return None
     fw = framework(ALTERNATIVE)
-    now = "nothing fits" if chosen is None else f"this plan needs {_placement(chosen)}"
+    now = "nothing fits" if chosen is None else f"this plan needs {savers_text(chosen.setup)}"
     return Note(f"--framework {fw.name} ({fw.title}, {fw.version}: no fp32 upcast of a quantized base, bf16 QLoRA "
                 f"adapters, its fused LM head) trains {describe(alt.setup)} in VRAM: "
                 f"{size(alt.device_total_bytes)} of {size(target.gpu.usable_memory_bytes)}, ~{alt.tokens_per_s:,.0f} "
                 f"tokens/s; {now} with the HF Trainer recipe vramplan emits by default (peft's "
                 f"prepare_model_for_kbit_training)", "framework")
 
-
-def _placement(c: Candidate) -> str:
-    s = c.setup
-    parts = []
-    if s.zero_stage:
-        parts.append(f"ZeRO-{s.zero_stage}")
-    if s.fsdp != "none":
-        parts.append("FSDP")
-    if s.offload_optimizer != "none" or s.offload_params != "none":
-        parts.append("CPU offload" if "nvme" not in (s.offload_optimizer, s.offload_params) else "NVMe offload")
-    return " with ".join(parts) or "a distributed engine"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..util.errors import SpecError, check_choice, check_positive
-from .frameworks import FRAMEWORKS
+from .frameworks import DEFAULT_FRAMEWORK, FRAMEWORKS
 
 __all__ = [
     "ATTENTIONS", "DEVICE_MAPS", "FRAMEWORKS", "FSDP_MODES", "GENERATIONS", "LOSSES", "METHODS", "OBJECTIVES",
@@ -83,7 +83,7 @@ class Setup:
     loss: str = "hf"
     #: the framework that runs the step (setup/frameworks.py): how it prepares the model (the fp32
     #: upcast of a quantized base, the LoRA weights' dtype); hf: the HF Trainer with peft's QLoRA recipe
-    framework: str = "hf"
+    framework: str = DEFAULT_FRAMEWORK
     #: the batch carries a padded ``attention_mask`` (a collator padding to the longest sequence):
     #: SDPA then gets an explicit boolean mask instead of ``is_causal``
     pad_mask: bool = False

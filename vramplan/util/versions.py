@@ -67,6 +67,8 @@ class Boundary:
     library behaves as ``before`` says, from ``below`` on as ``after`` says; ``modelled`` is the
     side the default estimate takes, ``source`` where it was read."""
 
+    #: the name code asks for it by (estimator/stack.py ``Stack``'s predicates)
+    key: str
     library: str
     below: tuple[int, ...]
     before: str
@@ -88,24 +90,29 @@ class Boundary:
 #: The boundaries vramplan knows, each one a predicate of ``vramplan.estimator.stack.Stack`` where
 #: the estimate follows it (``--stack`` / a record's versions choose the other side).
 BOUNDARIES: tuple[Boundary, ...] = (
-    Boundary("transformers", (5,),
+    Boundary("moe_experts_linear", "transformers", (5,),
              "MoE experts are per-expert nn.Linear modules: bitsandbytes quantizes them and LoRA can target each",
              "MoE experts are fused 3-D parameters: bitsandbytes does not quantize them (a QLoRA MoE base keeps "
              "its experts in 16 bits) and LoRA targets them through peft's MoE conversion",
              "transformers 4.48.1 modeling_mixtral.py MixtralBlockSparseTop2MLP; 5.x fused experts "
              "skipped by replace_with_bnb_linear"),
-    Boundary("transformers", (5,),
+    Boundary("reentrant_checkpointing", "transformers", (5,),
              "gradient_checkpointing=True checkpoints reentrantly (use_reentrant=True): under FSDP1 no backward "
              "prefetch, frozen layer units keep their inputs to the end of the backward",
              "non-reentrant checkpointing (use_reentrant=False)",
              "transformers 4.48.1 modeling_utils.py gradient_checkpointing_enable; 5.24 "
              "_activation_checkpointing_enable"),
-    Boundary("transformers", (4, 49),
+    Boundary("loss_shift_copy", "transformers", (4, 49),
              "the causal-LM loss keeps a second, shifted fp32 copy of the logits while cross_entropy runs",
              "the labels are shifted instead (no second fp32 logits copy)",
              "transformers 4.46.0-4.48.1 loss/loss_utils.py ForCausalLMLoss; 4.49.0 pads the labels",
              since=(4, 46)),
 )
+
+
+def boundary(key: str) -> Boundary:
+    """The boundary named ``key`` (one of :data:`BOUNDARIES`)."""
+    return next(b for b in BOUNDARIES if b.key == key)
 
 
 def drift(installed: Mapping[str, str | None], modelled: Mapping[str, str] | None = None) -> dict[str, str]:
