@@ -83,7 +83,7 @@ def test_estimate_applies_the_calibration_by_default_and_not_with_no_calibration
 
 
 def test_a_gpu_class_without_a_fit_keeps_the_published_figures():
-    bd = as_json(cli("estimate", "llama-3.2-1b", "--gpu", "rtx-4090", "--json"))
+    bd = as_json(cli("estimate", "llama-3.2-1b", "--gpu", "h100-sxm", "--json"))
     assert bd["calibration"] is None and bd["error_band"]["device_total_bytes"]["rows"] == 0
 
 

@@ -99,7 +99,10 @@ def test_update_then_check_is_clean(tmp_path, spec, recorded):
     baseline = read_baseline(recorded)
     assert set(baseline) == {"sft-8b", "small-full"}
     rec = baseline["sft-8b"]
-    bd = estimate(load_model("llama-3.1-8b"), Setup(method="lora", checkpointing=True), load_gpu("rtx-4090"))
+    from vramplan.estimator.corrections import calibration_for
+
+    gpu = load_gpu("rtx-4090")  # `check` applies the card's calibration (sm89: the RTX 4090 rows)
+    bd = estimate(load_model("llama-3.1-8b"), Setup(method="lora", checkpointing=True), gpu, calibration_for(gpu)[0])
     assert rec.numbers["device_total_bytes"] == bd.device_total_bytes
     assert rec.components["weights"] == bd.component("weights")
     assert rec.recorded_with["model_version"] >= 1 and "torch" in rec.recorded_with
@@ -308,7 +311,9 @@ checks:
 def test_plan_file_is_one_must_fit_check(tmp_path):
     model, gpu = load_model("qwen2-0.5b"), load_gpu("rtx-4090")
     setup = Setup(method="lora", checkpointing=True, batch=2)
-    plan = Plan(model=model.name, setup=setup, breakdown=estimate(model, setup, gpu), gpu=gpu)
+    from vramplan.estimator.corrections import calibration_for
+
+    plan = Plan(model=model.name, setup=setup, breakdown=estimate(model, setup, gpu, calibration_for(gpu)[0]), gpu=gpu)
     path = save_plan(plan, tmp_path / "sft-plan.yaml")
     (spec,) = load_specs([path])
     assert spec.name == "sft-plan" and spec.must_fit and spec.setup == setup and spec.gpu == gpu
@@ -342,7 +347,9 @@ def test_version_drift_is_reported(tmp_path, spec, recorded):
     assert r.exit_code == 0, r.output
     out = " ".join(r.stdout.split())
     assert "baseline recorded under other versions" in out
-    assert "torch 1.0.0 ->" in out and "model_version 0 -> 1" in out
+    from vramplan.estimator.version import MODEL_VERSION
+
+    assert "torch 1.0.0 ->" in out and f"model_version 0 -> {MODEL_VERSION}" in out
     data = as_json(run(tmp_path, str(spec), "--json"))
     assert any(line.startswith("torch 1.0.0 ->") for line in data["drift"])
     gh = run(tmp_path, str(spec), "--format", "github", "--summary", "").stdout

@@ -333,7 +333,7 @@ def test_cli_bad_format_is_one_line(tmp_path):
     result = _cli("emit", str(plan_path), "--format", "deepspeed,megatron", "--out", str(tmp_path / "o"))
     assert result.exit_code == 2 and result.output == (
         "error: unknown format 'megatron'; use a comma-separated list of deepspeed, accelerate, trainer, axolotl, "
-        "llamafactory, trl, torchtune\n")
+        "llamafactory, trl, torchtune, unsloth\n")
 
 
 def test_emitted_yaml_is_plain_yaml():

@@ -159,7 +159,7 @@ def test_plan_takes_liger_where_it_saves_memory():
     p = vramplan.plan("llama-3.2-1b", "rtx-3060-12gb", seq=8192)
     assert p.fits and p.setup.method == "full" and p.setup.liger
     assert p.setup.offload_optimizer == "none" and p.setup.zero_stage == 0  # before offload
-    without = vramplan.plan("llama-3.2-1b", "rtx-3060-12gb", seq=8192, liger=False)
+    without = vramplan.plan("llama-3.2-1b", "rtx-3060-12gb", seq=8192, liger=False, framework="hf")
     assert not without.setup.liger and not without.fits
     assert not vramplan.plan("gemma-2-9b", "rtx-4090").setup.liger  # gemma2: not modelled, not searched
     from vramplan.cost.model import LIGER_THROUGHPUT, step_cost

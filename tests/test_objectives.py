@@ -83,6 +83,9 @@ def test_grpo_phases_and_generation_kv_cache():
     assert more.component("kv_cache") == 4 * kv
     beta = estimate(QWEN, GRPO.replace(ref_model="adapter"), A100)
     assert "reference" in beta.phase_peaks_bytes
+    # beta != 0 on a PeftModel: GRPOTrainer.__init__ adds the frozen "ref" copy of the adapter
+    assert beta.component("reference_adapter") == beta.component("adapters") > 0
+    assert bd.component("reference_adapter") == 0  # beta 0: no reference at all
 
 
 def test_vllm_colocate_takes_its_share_of_the_card_and_server_none():
@@ -187,16 +190,23 @@ def test_traced_grpo_step_within_five_percent():
     assert abs(e.tensor_peak_bytes / t.tensor_peak_bytes - 1) <= 0.05
 
 
-def test_grpo_trainer_with_hf_generation_on_the_cpu():
+@pytest.mark.parametrize("kw", [{}, {"method": "lora", "ref_model": "adapter"}])
+def test_grpo_trainer_with_hf_generation_on_the_cpu(kw):
+    """Every phase within 5 %: generation (HF generate with the KV cache, as the checkpoint's
+    ``use_cache: true`` has it; LoRA: a no-grad prefill with the adapters on) and, with the "ref"
+    adapter GRPOTrainer adds for a PeftModel, the reference."""
     pytest.importorskip("trl")
     from vramplan.truths.objectives import run_grpo
 
     cfg, spec = _narrow()
-    s = Setup(objective="grpo", seq=128, batch=1, num_generations=4, max_completion_length=32)
+    s = Setup(objective="grpo", seq=128, batch=1, num_generations=4, max_completion_length=32, **kw)
     t = run_grpo(cfg, s)
     e = estimate(spec, s, stack=Stack(trl_triton=False))
     assert "generation" in t.phase_peaks_bytes
     assert abs(e.tensor_peak_bytes / t.tensor_peak_bytes - 1) <= 0.05
+    for phase, truth in t.phase_peaks_bytes.items():
+        if phase in e.phase_peaks_bytes:
+            assert abs(e.phase_peaks_bytes[phase] / truth - 1) <= 0.05, phase
 
 
 # ----------------------------------------------------------------------------------------------

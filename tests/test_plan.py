@@ -121,7 +121,7 @@ def test_nothing_fits_says_what_would_with_numbers():
 
 def test_tight_plans_say_so():
     fixed = {"method": "lora", "lora_rank": 16, "checkpointing": True, "optimizer": "adamw-fused", "batch": 1,
-             "zero_stage": 0, "attn": "auto", "liger": False}
+             "zero_stage": 0, "attn": "auto", "liger": False, "framework": "hf"}
     need = estimate(load_model("llama-3.2-1b"), Setup(**fixed), None).device_total_bytes
     plan = vramplan.plan("llama-3.2-1b", GpuSpec.custom(int(need * 1.02)), **fixed)
     assert plan.fits
@@ -283,7 +283,12 @@ def test_out_writes_a_plan_file_that_loads(tmp_path):
     assert r.exit_code == 0, r.output
     loaded = load_plan(out)
     assert loaded.fits and loaded.recorded_estimate is not None
-    again = vramplan.plan("llama-3.2-1b", "rtx-4090", global_batch=8)
+    from vramplan.estimator.corrections import calibration_for
+    from vramplan.model.profiles import load_gpu
+
+    # the command applies the card's calibration (the RTX 4090's class is fitted: sm89)
+    again = vramplan.plan("llama-3.2-1b", "rtx-4090", global_batch=8,
+                          corrections=calibration_for(load_gpu("rtx-4090"))[0])
     assert loaded.setup == again.setup and loaded.rejected == again.rejected
 
 

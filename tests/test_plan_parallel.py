@@ -198,9 +198,14 @@ def test_single_node_answers_that_were_right_stay():
     one = _cli_plan(L8B, "--gpu", "a100-80gb")
     assert one["setup"]["method"] == "full" and round(one["tokens_per_s"]) == 3671
     four = _cli_plan(L8B, "--gpu", "rtx-4090", "--gpus", "4")
-    assert four["setup"]["method"] == "full" and four["setup"]["tp"] == 4 and four["setup"]["fsdp"] == "none"
-    line = next(r for r in four["rejected"] if r["reason"].startswith("tensor parallelism x FSDP2 on 4 GPUs"))
-    assert line["kind"] == "too_slow" and line["setup"]["tp"] == 2  # ~2,057 vs ~2,348 tokens/s
+    # the RTX 4090's calibration (sm89: fsdp_qlora's reserved peaks, +11.9 % slack, band up to +15.6 %) leaves
+    # tensor-parallel full fine-tuning (20.7 GiB raw of 23.6) no margin: LoRA over ZeRO-1; full fine-tuning
+    # fits only split by layers, more than twice as slow
+    assert four["setup"]["method"] == "lora" and four["setup"]["tp"] == 1 and four["setup"]["zero_stage"] == 1
+    line = next(r for r in four["rejected"] if r["reason"].startswith("full fine-tune"))
+    assert line["kind"] == "too_slow" and "the layers split over 4 GPUs" in line["reason"]
+    raw = _cli_plan(L8B, "--gpu", "rtx-4090", "--gpus", "4", "--no-calibration")  # the raw model: as before
+    assert raw["setup"]["method"] == "full" and raw["setup"]["tp"] == 4 and raw["setup"]["fsdp"] == "none"
     lone = _cli_plan(L8B, "--gpu", "rtx-4090")["setup"]
     assert (lone["method"], lone["lora_rank"], lone["optimizer"], lone["checkpointing"]) == ("lora", 16, "adamw-8bit",
                                                                                               True)

@@ -289,9 +289,17 @@ def test_the_issue_13_bars_hold_on_the_comparable_published_rows():
     def estimator(r):
         return estimate_record(r, calibration_for(load_gpu(r["gpu"]))[0])
 
-    rows = compare(load_records(), estimator=estimator)
+    records = load_records()
+    # issue 13's rows: the A100 sources; the consumer cards' reserved-only rows (issue 28, Answer.AI's
+    # fsdp_qlora) are what their class's device terms are fitted on, checked below against that fit
+    consumer = [r for r in records if r["source"]["repo"] == "AnswerDotAI/fsdp_qlora"]
+    rows = compare([r for r in records if r not in consumer], estimator=estimator)
     summary = {(s.group, s.key): s for s in summarize(rows)}
     for key in (("quantity", "allocated"), ("all", "all")):
         s = summary[key]
         assert s.median_abs_error <= 0.03 and s.p90_abs_error <= 0.10 and s.under_share <= 0.10, (key, s)
     assert summary[("quantity", "allocated")].rows == 13 and summary[("all", "all")].rows == 26
+    # the RTX 3090/4090 reserved peaks against their calibrated estimates: inside the fitted bands
+    # (in-sample: sm86 -8.4 % / +13.5 %, sm89 -6.7 % / +16.5 %), median |error| 5.3 %
+    (mine,) = [s for s in summarize(compare(consumer, estimator=estimator)) if s.group == "all"]
+    assert mine.rows == 18 and mine.median_abs_error <= 0.06 and abs(mine.worst_error) <= 0.17, mine

@@ -80,6 +80,8 @@ class GpuSpec:
     #: ``host_ram_note``): what CPU offload is checked against when the user gives no --host-ram
     host_ram_per_gpu_bytes: int | None = None
     host_ram_note: str = ""
+    #: board power (W): what an owned card's electricity costs per hour (cost/prices.py)
+    tdp_watts: int | None = None
 
     def __post_init__(self) -> None:
         if self.usable_memory_bytes <= 0:

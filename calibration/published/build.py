@@ -126,6 +126,9 @@ DATE_VERSIONS = {  # (repo, marker in source.commit or None) -> versions implied
     "QwenLM/Qwen": ({"transformers": "4.32-4.35"},
                     "inferred from date (2023-11-30; Qwen requirements.txt transformers>=4.32)"),
     "linkedin/Liger-Kernel": ({"transformers": "4.43-4.44"}, "inferred from date (Liger-Kernel 0.1, 2024-08)"),
+    "AnswerDotAI/fsdp_qlora": ({"transformers": "4.38-4.39"},
+                               "inferred from date (runs of 2024-03; README at 8a89266 installs transformers via "
+                               "llama-recipes; 4.38/4.39 were excluded only on 2024-04-18)"),
 }
 VERSION_RE = re.compile(r"\b(PyTorch|torch|transformers|peft|accelerate|trl|flash[-_]attn|bitsandbytes|auto[-_]gptq|"
                         r"deepspeed)\s*(?:==\s*)?v?(\d+\.\d+(?:\.\d+)?(?:\.post\d+|[+][\w.]+)?)", re.I)
@@ -319,6 +322,8 @@ def normalise(row: dict) -> dict:
             liger = True
         elif "=false" in ol or "full logits" in ol:
             continue
+        elif ol == "fsdp cpu param offload":  # fsdp_qlora --use_cpu_offload: the offload field says it (below)
+            continue
         else:
             unexpressible.append(o)
     notes_l = (row.get("notes") or "").lower() + " " + (row.get("framework") or "").lower()
@@ -354,10 +359,20 @@ def normalise(row: dict) -> dict:
                 notes.append("FSDP without MixedPrecision (accelerate mixed_precision 'no') on the bf16-loaded model: "
                              "vramplan's --precision bf16 --fsdp (bf16 shards, gradients and AdamW states; LoRA: "
                              "peft's fp32 adapters run in fp32)")
+        if "no_shard" in dist_raw:  # fsdp_qlora's sharding_strategy 'ddp'
+            fsdp = "no_shard"
         if "distributed" in (row.get("framework") or "") or "torchtune" in (row.get("framework") or ""):
             pass
-    if row.get("offload") not in (None, "none"):
+    offload_raw = str(row.get("offload") or "")
+    if fsdp != "none" and "cpuoffload(offload_params=true)" in offload_raw.lower():
+        offload_params = "cpu"  # FSDP CPUOffload: the sharded parameters and their gradients in host RAM
+    elif row.get("offload") not in (None, "none"):
         unexpressible.append(f"offload {row.get('offload')}")
+    if repo == "AnswerDotAI/fsdp_qlora" and row.get("lora_rank"):
+        approximations.append("fsdp_qlora's precision 'bf16' casts the LoRA weights to bf16 and keeps bf16 AdamW "
+                              "states; vramplan models peft's fp32 adapters under --precision bf16 --fsdp (the "
+                              "adapters, their gradients and states counted at twice their bytes: for Llama-2-7B "
+                              "r64 about 0.5 GiB per GPU more)")
 
     # --- model-specific knobs
     if base_model.startswith("mistralai/Mixtral") and repo == "foundation-model-stack/fms-acceleration":
@@ -379,7 +394,7 @@ def normalise(row: dict) -> dict:
     # --- the framework that prepared the model (Setup.framework; vramplan/setup/frameworks.py)
     framework_knob = "hf"
     if unsloth:
-        framework_knob = "unsloth"  # the estimate refuses it: Unsloth's own loss and offloaded checkpointing
+        framework_knob = "unsloth"  # Unsloth 2026.8's step (estimator/unsloth.py); these rows ran 2024-2025 kernels
     elif repo == "huggingface/trl":
         unexpressible.append("TRL of late 2025 (about 0.24-0.26, by the run date; not printed): vramplan's "
                              "framework 'trl' is TRL 1.16's SFTTrainer (bf16 trainables, fused LM head), 'hf' peft's "
@@ -397,7 +412,7 @@ def normalise(row: dict) -> dict:
         "quant": quant, "double_quant": double_quant, "precision": precision, "optimizer": optimizer,
         "checkpointing": ckpt, "attn": attn, "batch": batch, "seq": max(seq, 1), "grad_accum": grad_accum,
         "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
-        "gpus": gpus_setup, "loss": "hf", "pad_mask": False, "fsdp": fsdp, "liger": liger,
+        "gpus": gpus_setup, "loss": "unsloth" if framework_knob == "unsloth" else "hf", "pad_mask": False, "fsdp": fsdp, "liger": liger,
         "modules_to_save": modules_to_save, "optimizer_in_backward": in_backward, "activation_offload": act_offload,
         "device_map": device_map, "framework": framework_knob,
     }

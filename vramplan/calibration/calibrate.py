@@ -25,6 +25,8 @@ proportional slack and ``c`` the fixed part (CUDA context + the allocator's fixe
 these rows cannot separate: the context stays the published figure and ``c`` minus it is the
 reserved fixed part). cuBLAS workspaces, NCCL per communicator, cuDNN workspaces and
 expandable_segments are not fitted (quoted, or not modelled): ``terms`` in each group says which.
+A GPU class with no such pair but comparable rows that measured the reserved peak (consumer cards)
+gets its allocator terms from those (calibration/reserved_fit.py).
 
 **Error bands**, one per headline number, from the residuals of the quantity it predicts:
 ``measured / predicted - 1`` over the rows that measured it (CUDA runs: all four numbers from the
@@ -39,7 +41,6 @@ estimator's ``Corrections``. numpy is the only dependency; no torch.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -47,6 +48,10 @@ from typing import Any
 
 from ..bands import DEFAULT_ERROR_BAND, HEADLINES, ErrorBand, ErrorBands
 from ..util.fileio import atomic_write_text
+from .fitting import FORMAT_VERSION, band_of, gpu_class
+from .fitting import quoted as _quoted
+from .fitting import quoted_workspace as _quoted_workspace
+from .fitting import relative_stats as _relative_stats
 
 #: Default output, next to the records.
 COEFFICIENTS_PATH = Path("calibration") / "coefficients.json"
@@ -60,12 +65,9 @@ DEVICE_COMPONENTS = ("cublas_workspace", "allocator_overhead", "cuda_context", "
 #: Regularisation of the component factors towards 1 (relative to the data's scale).
 FACTOR_RIDGE = 1e-3
 
-FORMAT_VERSION = 2
 
 #: the nvidia-smi peak fms-acceleration publishes beside the allocated peak of the same run
 SMI_KEY = "nvidia_smi_peak_memory_used_MiB_mean_over_devices"
-#: rows a quantity needs before its band comes from them (else the default band)
-MIN_BAND_ROWS = 3
 
 
 def usable(record: dict) -> bool:
@@ -206,6 +208,14 @@ def fit(records: list[dict], tolerance: float = 0.03, published: list[dict] | No
             pub_fits = {"pooled": pairs, **pub_fits}
         for name, ps in pub_fits.items():
             result["groups"][name] = fit_published_group(ps, published or [])
+    from .reserved_fit import fit_reserved_group, reserved_groups
+
+    # GPU classes with only reserved peaks published (consumer cards: calibration/reserved_fit.py)
+    reserved = reserved_groups(published or [], set(result["groups"]))
+    for name, rows in reserved.items():
+        result["groups"][name] = fit_reserved_group(rows)
+    if reserved:
+        result["fit_id"] = fit_id(runs, pairs, sorted(r["id"] for rows in reserved.values() for r in rows))
     if not runs:
         result["flags"].append("no complete single-GPU CUDA measurement: device terms from published rows only"
                                if pairs else "no complete single-GPU CUDA measurement: nothing to fit "
@@ -244,50 +254,21 @@ def fit(records: list[dict], tolerance: float = 0.03, published: list[dict] | No
 # published rows (records.jsonl of calibration/published) and error bands
 
 
-def _quoted():
-    from ..estimator.corrections import DEFAULT_CORRECTIONS
-
-    return DEFAULT_CORRECTIONS
-
-
-def _quoted_workspace(cc: str) -> int:
-    q = _quoted()
-    try:
-        sm90 = float(cc) >= 9.0
-    except ValueError:
-        sm90 = False
-    return q.cublas_handles * (q.cublas_workspace_bytes_sm90 if sm90 else q.cublas_workspace_bytes)
-
-
 def published_pairs(records: list[dict]) -> list[dict]:
     """Runs that report max_memory_allocated and the nvidia-smi peak (per GPU) of the same run,
     completed (not OOM), on a GPU vramplan knows."""
-    from ..model.profiles import load_gpu
-    from ..specs import SpecError
 
     out = []
     for r in records:
         smi = (r.get("secondary_measurements") or {}).get(SMI_KEY)
         if r.get("oom") or r.get("quantity") != "allocated" or not r.get("measured_bytes") or not smi:
             continue
-        try:
-            gpu = load_gpu(r.get("gpu") or "")
-        except SpecError:
+        cls = gpu_class(r)
+        if cls is None:
             continue
-        torch_v = ((r.get("versions") or {}).get("torch") or {}).get("version") or "unknown"
-        cc = str(gpu.compute_capability or "unknown")
-        out.append({"id": r["id"], "gpus": int((r.get("setup") or {}).get("gpus") or 1), "cc": cc,
-                    "gpu": gpu.display_name, "allocated": int(r["measured_bytes"]), "device_total": int(smi * 2**20),
-                    "group": f"sm{cc.replace('.', '')}/torch-{'.'.join(torch_v.split('+')[0].split('.')[:2])}"})
+        out.append({"id": r["id"], "gpus": int((r.get("setup") or {}).get("gpus") or 1), **cls,
+                    "allocated": int(r["measured_bytes"]), "device_total": int(smi * 2**20)})
     return out
-
-
-def _relative_stats(errs) -> dict[str, float]:
-    import numpy as np
-
-    arr = np.array(errs, dtype=float)
-    return {"rms": round(float(np.sqrt(np.mean(arr**2))), 6), "max_abs": round(float(np.max(np.abs(arr))), 6),
-            "mean": round(float(np.mean(arr)), 6)}
 
 
 def fit_published_group(pairs: list[dict], records: list[dict]) -> dict[str, Any]:
@@ -335,15 +316,6 @@ def fit_published_group(pairs: list[dict], records: list[dict]) -> dict[str, Any
     return coef
 
 
-def band_of(errs: list[float], basis: str) -> ErrorBand:
-    """The band ``errs`` (measured / predicted - 1) span, 0 included; the default with too few."""
-    if len(errs) < MIN_BAND_ROWS:
-        return DEFAULT_ERROR_BAND
-    # rounded outwards, so the band still holds every row
-    return ErrorBand(math.floor(min(0.0, min(errs)) * 1e6) / 1e6, math.ceil(max(0.0, max(errs)) * 1e6) / 1e6,
-                     len(errs), basis)
-
-
 def _bands(per_quantity: dict[str, list[float]], basis: str) -> ErrorBands:
     got = {k: band_of(v, f"{basis}, {len(v)} rows") for k, v in per_quantity.items()}
     alloc, dev = got.get("peak_allocated_bytes"), got.get("device_total_bytes")
@@ -380,14 +352,16 @@ def published_bands(coef: dict, ids: set[str], records: list[dict]) -> ErrorBand
     return _bands(errs, "published rows, measured / calibrated estimate - 1")
 
 
-def fit_id(runs: list[dict], pairs: list[dict]) -> str:
-    """A short digest of what was fitted (which runs, which numbers) and the estimator's version."""
+def fit_id(runs: list[dict], pairs: list[dict], reserved_ids: list[str] | None = None) -> str:
+    """A short digest of what was fitted (which runs, which numbers, which reserved-only rows) and the
+    estimator's version."""
     import hashlib
 
     from ..estimator.version import MODEL_VERSION
 
-    key = json.dumps([MODEL_VERSION, sorted((p["id"], p["allocated"], p["device_total"]) for p in pairs),
-                      sorted(json.dumps(r["measured"], sort_keys=True) for r in runs)], sort_keys=True)
+    key = [MODEL_VERSION, sorted((p["id"], p["allocated"], p["device_total"]) for p in pairs),
+           sorted(json.dumps(r["measured"], sort_keys=True) for r in runs)]
+    key = json.dumps(key + ([reserved_ids] if reserved_ids else []), sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

@@ -27,7 +27,7 @@ def emit(plan_file: str, formats: str | None, out_dir: str, force: bool) -> None
 
     `--format trainer` writes train.py, launch.sh, the model's config.json (random weights, no
     download), vramplan.json (the plan and its estimate) and the configs its launch command reads.
-    `--format axolotl|llamafactory|trl|torchtune` writes the plan as that framework's config (with
+    `--format axolotl|llamafactory|trl|torchtune|unsloth` writes the plan as that framework's config (with
     the DeepSpeed JSON / accelerate YAML it names); a setup it cannot express is refused.
     """
     from ..emit import emit_to_dir, parse_formats, run_command

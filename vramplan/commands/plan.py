@@ -121,7 +121,17 @@ _MORE_KNOBS = {
 @setting_option("seq")
 @click.option("--global-batch", metavar="N", help="Sequences per optimizer step over all GPUs  [default: free]")
 @click.option("--tokens-per-step", metavar="N", help="Tokens per optimizer step (e.g. 1M); sets the global batch.")
-@click.option("--dataset-tokens", metavar="N", help="Training tokens (e.g. 500M) to estimate the run's time.")
+@click.option("--dataset-tokens", metavar="N", help="Training tokens (e.g. 500M): the run's hours and dollars.")
+@click.option("--epochs", type=Count("epochs"), default=1, show_default=True, help="Passes over --dataset-tokens.")
+@click.option("--max-gpus", type=Count("max-gpus"), default=8, show_default=True,
+              help="With --gpu any/consumer/cloud/A,B: the most GPUs a row uses (1, 2, 4, 8, then nodes of 8).")
+@click.option("--rank-by", type=click.Choice(["cost", "time"]), default="cost", show_default=True,
+              help="With several cards: order the rows by dollars or by hours.")
+@click.option("--budget", metavar="USD", type=float, help="With several cards: drop the rows that cost more.")
+@click.option("--deadline", metavar="HOURS", type=float, help="With several cards: drop the rows that take longer.")
+@click.option("--price", "price_args", metavar="NAME=USD", multiple=True,
+              help="US dollars per GPU-hour of a card, over the shipped table (repeatable).")
+@click.option("--prices", "prices_file", metavar="FILE", help="A YAML/JSON table of GPU name -> USD per GPU-hour.")
 @click.option("--lora-rank", "lora_rank", metavar="N|LO..HI",
               help="LoRA rank (a quality setting the search never raises), or a range it picks in by speed  "
                    "[default: 16]")
@@ -140,7 +150,8 @@ _MORE_KNOBS = {
 def plan(model: str | None, from_file: str | None, config_format: str | None, accelerate_file: str | None,
          gpu_name: str | None, gpu_memory: str | None, gpus: int, nodes: int, host_ram: str | None,
          margin: float, nvme: bool, seq: int, global_batch: str | None, tokens_per_step: str | None,
-         dataset_tokens: str | None,
+         dataset_tokens: str | None, epochs: int, max_gpus: int, rank_by: str, budget: float | None,
+         deadline: float | None, price_args: tuple[str, ...], prices_file: str | None,
          no_quant: bool, as_json: bool, out_file: str | None, html_file: str | None, emit_dir: str | None,
          force: bool, **knobs: Any) -> None:
     """The setup of MODEL to run on the GPU, its alternatives, and why the others fail.
@@ -157,7 +168,30 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
     from ..search import plan as run_plan
     from ..setup.inputs import resolve_gpu
     from ..util.units import parse_bytes
+    from .fleet import is_fleet, plan_fleet, price_table, run_json, run_line
 
+    tokens = parse_count(dataset_tokens, "--dataset-tokens")
+    table = price_table(price_args, prices_file) if (tokens or price_args or prices_file) else None
+    if is_fleet(gpu_name):  # several cards: the run on each card and count (search/fleet.py)
+        if from_file or gpu_memory or out_file or html_file or emit_dir:
+            raise SpecError("--gpu with several cards compares runs: --from, --gpu-memory, --out, --html and --emit "
+                            "take one card")
+        if model is None:
+            raise SpecError("plan needs MODEL (a model name, Hub id or config.json)")
+        corr_off, corr_file = knobs.pop("no_calibration"), knobs.pop("calibration_file")
+        if corr_off or corr_file:
+            raise SpecError("--gpu with several cards applies each card's calibration: drop --no-calibration and "
+                            "--calibration")
+        fixed = with_framework_defaults({k: v for k, v in knobs.items() if v is not None})
+        if no_quant:
+            fixed["quant"] = "none"
+        plan_fleet(model, gpu_name, dataset_tokens=tokens, epochs=epochs, max_gpus=max_gpus, rank_by=rank_by,
+                   budget=budget, deadline=deadline, table=table, as_json=as_json,
+                   plan_kwargs={"seq": seq, "margin": margin, "nvme": nvme,
+                                "global_batch": parse_count(global_batch, "--global-batch"),
+                                "tokens_per_step": parse_count(tokens_per_step, "--tokens-per-step")},
+                   fixed=fixed)
+        return
     gpu = resolve_gpu(gpu_name, gpu_memory)
     if gpu is None:
         raise SpecError("plan needs a target: pass --gpu NAME or --gpu-memory SIZE")
@@ -211,7 +245,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
         result = run_plan(model, gpu, gpus=gpus, nodes=nodes, host_ram=ram, nvme=nvme, seq=seq, margin=margin,
                           host_ram_source=ram_source, global_batch=batch_count,
                           tokens_per_step=parse_count(tokens_per_step, "--tokens-per-step"),
-                          dataset_tokens=parse_count(dataset_tokens, "--dataset-tokens"), corrections=corrections,
+                          dataset_tokens=tokens * epochs if tokens else None, corrections=corrections,
                           **fixed)
     except SpecError as exc:
         raise SpecError(_flagged(str(exc))) from None
@@ -242,8 +276,11 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
                                         as_written=as_written)
         else:
             emitted = emit_to_dir(result, emit_dir, formats=None, force=force, model=load_model(model))
+    run = run_json(result, tokens, epochs, table) if tokens else None
     if as_json:
         out = plan_to_json(result)
+        if tokens:
+            out["run"] = run
         if source is not None:
             from ..readers import setup_changes
             from .from_config import as_written_json
@@ -253,6 +290,8 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
         print_json(out)
     else:
         print_plan(result)
+        if run_line(run):
+            click.echo(run_line(run))
         if source is not None:
             from ..readers import setup_changes
             from .from_config import print_changes

@@ -1,4 +1,4 @@
-"""A plan in the user's own framework: axolotl, LLaMA-Factory, TRL and torchtune configs.
+"""A plan in the user's own framework: axolotl, LLaMA-Factory, TRL, torchtune and Unsloth configs.
 
 Each writer is the inverse of its reader (:mod:`vramplan.readers`): a pure function of the Setup
 that returns the framework's config mapping, with every memory-relevant Setup field in that
@@ -28,17 +28,19 @@ __all__ = ["CONFIG_FILES", "FRAMEWORKS", "LIMITS", "companion_files", "framework
 
 #: format -> the config file it writes
 CONFIG_FILES = {"axolotl": "axolotl.yaml", "llamafactory": "llamafactory.yaml", "trl": "trl.yaml",
-                "torchtune": "torchtune.yaml"}
+                "torchtune": "torchtune.yaml", "unsloth": "unsloth.yaml"}
 FRAMEWORKS = tuple(CONFIG_FILES)
 
 #: format -> the framework's name in messages
-NAMES = {"axolotl": "axolotl", "llamafactory": "LLaMA-Factory", "trl": "TRL", "torchtune": "torchtune"}
+NAMES = {"axolotl": "axolotl", "llamafactory": "LLaMA-Factory", "trl": "TRL", "torchtune": "torchtune",
+         "unsloth": "Unsloth"}
 
 #: what each config leaves to the user (not part of a memory plan)
 _TODO = {
     "axolotl": "add your datasets (datasets:), output_dir and the usual training fields (learning_rate, ...)",
     "llamafactory": "add dataset, template and output_dir",
     "trl": "add dataset_name (or pass --dataset_name) and output_dir",
+    "unsloth": "set dataset_name (a dataset with a text column); unsloth_train.py reads this file",
 }
 
 
@@ -60,10 +62,11 @@ def framework_limits(fmt: str) -> dict:
 
 def writer_for(fmt: str):
     """The config function of ``fmt`` (Setup, ModelSpec, model_id=, nodes=) -> dict."""
-    from . import hf_configs, torchtune
+    from . import hf_configs, torchtune, unsloth
 
     return {"axolotl": hf_configs.axolotl_config, "llamafactory": hf_configs.llamafactory_config,
-            "trl": hf_configs.trl_config, "torchtune": torchtune.torchtune_config}[fmt]
+            "trl": hf_configs.trl_config, "torchtune": torchtune.torchtune_config,
+            "unsloth": unsloth.unsloth_config}[fmt]
 
 
 def _hub_id(model: ModelSpec) -> str | None:
@@ -72,10 +75,12 @@ def _hub_id(model: ModelSpec) -> str | None:
 
 def refusal(fmt: str, setup: Setup, model: ModelSpec) -> str | None:
     """Why ``fmt`` cannot express ``setup`` (one clause, ``"fsdp shard_grad_op: ..."``), or None."""
-    from . import hf_configs, torchtune
+    from . import hf_configs, torchtune, unsloth
 
     if fmt == "torchtune":
         return torchtune.refusal(setup, model)
+    if fmt == "unsloth":
+        return unsloth.refusal(setup, model)
     return hf_configs.refusal(fmt, setup, model)
 
 
@@ -101,6 +106,10 @@ def framework_run(plan: Plan, fmt: str) -> str:
         return f"accelerate launch {acc} src/train.py {cfg}"
     if fmt == "trl":
         return f"trl sft --config {cfg}" + (f" --accelerate_config {ACCELERATE_CONFIG}" if s.gpus > 1 else "")
+    if fmt == "unsloth":
+        from .unsloth import TRAIN_FILE
+
+        return f"python {TRAIN_FILE} {cfg}"
     from .torchtune import recipe
 
     nproc = f"--nproc_per_node {s.gpus} " if s.fsdp != "none" else ""
@@ -157,4 +166,9 @@ def dumps_config(plan: Plan, fmt: str, config: dict) -> str:
 def framework_files(plan: Plan, fmt: str, model: ModelSpec) -> dict[str, str]:
     """File name -> text for ``fmt``: the config and its companion files."""
     config = framework_config(plan, fmt, model)
-    return {CONFIG_FILES[fmt]: dumps_config(plan, fmt, config), **companion_files(plan, fmt, model)}
+    files = {CONFIG_FILES[fmt]: dumps_config(plan, fmt, config), **companion_files(plan, fmt, model)}
+    if fmt == "unsloth":  # the fixed script that reads the config (no plan value in it)
+        from .unsloth import SCRIPT, TRAIN_FILE
+
+        files[TRAIN_FILE] = SCRIPT
+    return files

@@ -343,7 +343,7 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         total += c * h  # lm_head input (ZeRO-3's F.linear keeps a frozen head's too)
     if setup.loss == "hf":
         total += 4 * V  # log_softmax output (fp32)
-    elif not full:
+    elif not full and setup.loss != "unsloth":  # (Unsloth's fused loss keeps only its grad_inputs: unsloth.py)
         total += c * h  # chunked loss: checkpoint keeps its chunks' input, the final norm's output
     if t.final_logit_softcapping and setup.loss == "hf":
         total += c * V  # tanh output of the final soft-capping (Gemma2)

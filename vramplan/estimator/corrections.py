@@ -125,7 +125,7 @@ def read_coefficients(path: str | Path) -> dict:
 def _group_name(groups: dict, gpu) -> tuple[str | None, bool]:
     """The group for ``gpu``: its GPU class (compute capability), the one with the most runs among
     several torch versions; None when its class has no fit, or no GPU is given. A fit is not
-    carried to another class: the published fits come from 80 GB A100s, whose allocator keeps
+    carried to another class: the published A100 fit comes from 80 GB cards, whose allocator keeps
     slack a smaller card under pressure gives back (docs/commands/estimate.md). The installed
     torch is not read: a plan is for the machine it will run on, and reading it costs the
     estimate path. ``pooled`` is read only by an explicit ``group="pooled"``."""

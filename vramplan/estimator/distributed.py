@@ -224,6 +224,12 @@ def zero_memory(model: ModelSpec, setup: Setup, trainable: int) -> ZeroMemory:
         # (weight decay, then biases and norms), so the first, nearly all, steps beside it
         kept = grad_part if setup.method == "full" else 0
         step = max(grad_part + pb * part + 4 * part, kept + 4 * part + t_step)
+        # before it, the gradient norm (compute_grad_norm, on by default): get_grad_norm_direct takes
+        # ``vector_norm(g.data.to(get_norm_dtype()))`` of each gradient in the rank's partition, one at
+        # a time, beside the 16-bit partition; get_norm_dtype is fp64 wherever the accelerator has it
+        # (CUDA and the CPU): an 8-byte copy of the largest piece, which outgrows the step when one
+        # parameter fills most of a small partition (a modules_to_save copy beside LoRA adapters)
+        step = max(step, grad_part + 8 * min(_largest_trainable(model, setup), part))
         if off_opt:
             largest = _largest_trainable(model, setup) * pb
             staging = largest  # temp_grad_buffer_for_gpu_offload

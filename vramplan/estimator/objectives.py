@@ -33,7 +33,8 @@ SFT step's own loss under ``--loss trl`` (SFTTrainer: the fused head below, :fun
 - GRPO (``GRPOTrainer._generate_and_score_completions`` / ``_compute_loss``): HF ``generate`` over the
   process's generation batch (``per_device_train_batch_size x steps_per_generation``, which defaults
   to ``gradient_accumulation_steps``) with a DynamicCache, then (``beta != 0``; the 1.16 default is
-  0.0: no reference model) the reference log-probs in chunks of the micro-batch, then the policy
+  0.0: no reference model; a PeftModel's reference is TRL's frozen "ref" copy of its adapter, as in
+  DPO) the reference log-probs in chunks of the micro-batch, then the policy
   forward/backward over micro-batches of (prompt + completion) rows scoring only the completion
   (``logits_to_keep``). With ``num_iterations=1`` and ``steps_per_generation == grad_accum`` the old
   log-probs are the detached current ones (no extra forward).
@@ -55,7 +56,6 @@ from .model_states import weights_bytes
 from .objectives_pref import orpo_loss_transients, orpo_notes, orpo_rows
 from .precision import adapter_dtype_bytes, compute_bytes
 from .stack import DEFAULT_STACK, Stack
-from .transients import lora_forward_peak_per_token
 
 #: the TRL version these terms are read off
 TRL_VERSION = "1.16"
@@ -261,26 +261,18 @@ def nograd_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> int:
     return c * tokens * (width + 2 * h)
 
 
-def adapted_nograd_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> int:
-    """As :func:`nograd_layer_bytes` with the adapters on (generation): the widest LoRA projection's
-    fp32 branch beside its base output (estimator/transients.py ``lora_forward_peak_per_token``).
-    GRPO's generation phase against TRL's CPU run: +8 % (LoRA; never the peak there); the reference
-    forwards use :func:`reference_layer_bytes`, read off the traced no-grad forward."""
-    plain = nograd_layer_bytes(model, setup, tokens)
-    if not setup.adapters:
-        return plain
-    lora = max(lora_forward_peak_per_token(model, setup, i) for i in (0, model.num_layers - 1))
-    return int(max(plain, lora * tokens + compute_bytes(setup) * tokens * model.hidden_size))
-
-
 def reference_layer_bytes(model: ModelSpec, setup: Setup, tokens: int) -> int:
-    """As :func:`nograd_layer_bytes` with the adapters on (DPO/KTO's "ref" adapter, KTO's KL rows
-    through the policy): at an adapted MLP input projection (out = intermediate) peft's
+    """As :func:`nograd_layer_bytes` with the adapters on (DPO/KTO/GRPO's "ref" adapter, KTO's KL rows
+    through the policy, GRPO's prefill in HF ``generate``: every no-grad forward through a LoRA
+    layer): at an adapted MLP input projection (out = intermediate) peft's
     ``result + lora_B(lora_A(x)) * scaling`` holds the base output (c) and lora_B's output and its
     scaled copy (adapter dtype, 2 a) beside the gate's activation (gated MLPs, c), the layer's input,
     the residual and the normed input (3 c h) and the copy of that input peft casts to the adapter
     dtype (``_cast_input_dtype``, a h); under no_grad nothing else of the layer is kept (read off the
-    traced DPO/KTO reference and KL forwards, 2-layer Qwen2.5-7B at 16k tokens: within 0.1 %)."""
+    traced DPO/KTO reference and KL forwards, 2-layer Qwen2.5-7B at 16k tokens: within 0.1 %; GRPO's
+    prefill against TRL's CPU run: within 0.4 %). Not the training forward's LoRA peak
+    (estimator/transients.py ``lora_forward_peak_per_token``, what the layer saved for backward
+    before the projection): under no_grad nothing is saved."""
     plain = nograd_layer_bytes(model, setup, tokens)
     c, a, h, i = compute_bytes(setup), adapter_dtype_bytes(setup), model.hidden_size, model.intermediate_size
     if not any(l.role != "attn" and l.out_features == i for l in adapted_linears(model, setup)):
@@ -367,7 +359,8 @@ def objective_memory(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, restin
         kv = kv_cache_bytes(model, pol, lens.gen_rows, T)
         kv_layer = kv // model.num_layers
         prompt_tokens = lens.gen_rows * lens.prompt
-        prefill = adapted_nograd_layer_bytes(model, pol, prompt_tokens) + c * prompt_tokens * h
+        # the prefill: a no-grad forward over the prompts with the policy's adapters on
+        prefill = reference_layer_bytes(model, pol, prompt_tokens) + c * prompt_tokens * h
         decode = kv_layer + 4 * lens.gen_rows * model.vocab_size * 3  # cache growth (torch.cat) and fp32 sampling
         phases["generation"] = int(resting + ref_w + max(kv_cache_bytes(model, pol, lens.gen_rows, lens.prompt)
                                                          + prefill, kv + decode))
@@ -385,8 +378,8 @@ def objective_memory(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, restin
     else:
         phases["generation"] = int(resting + ref_w)
         notes.append("vLLM server: generation runs on other GPUs; nothing of it on the training GPU")
-    if ref != "none":
-        ref_fwd = reference_forward_bytes(model, pol, lens, stack)
+    if ref != "none":  # "adapter": a PeftModel's "ref" adapter active (use_adapter), as in DPO/KTO
+        ref_fwd = reference_forward_bytes(model, pol, lens, stack, adapted=ref == "adapter" and bool(setup.adapters))
         phases["reference"] = int(resting + ref_w + ref_fwd + 4 * lens.gen_rows * lens.completion)
         comps.append(Component("reference_forward", int(ref_fwd), ("reference",),
                                note="no-grad forward per micro-batch (beta != 0)"))
@@ -394,14 +387,18 @@ def objective_memory(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, restin
 
 
 def reference_adapter_bytes(setup: Setup, adapters: int) -> int:
-    """DPO/KTO with peft's adapter as the reference: TRL 1.16 ``DPOTrainer.__init__`` /
+    """DPO/KTO/GRPO with peft's adapter as the reference: TRL 1.16 ``DPOTrainer.__init__`` /
     ``KTOTrainer.__init__``, handed a PeftModel and no ref_model, ``add_adapter("ref", ...)`` and copy
     the policy's adapter into it (the reference forward runs it with ``use_adapter("ref")``): one
     frozen copy of the adapter bytes, whether or not the reference log-probs are precomputed (the
-    ``__init__`` branch does not look at ``precompute_ref_log_probs``). (Given ``peft_config``
-    instead, TRL wraps the model itself and adds no copy: the base with adapters disabled; vramplan's
-    train.py and truths hand a PeftModel.)"""
-    if setup.objective not in ("dpo", "kto") or not setup.adapters:
+    ``__init__`` branch does not look at ``precompute_ref_log_probs``). ``GRPOTrainer.__init__`` does
+    the same for a PeftModel when ``beta != 0`` (trl/trainer/grpo_trainer.py: ``elif is_peft_model(model)
+    and args.beta != 0.0: ... model.add_adapter("ref", default_config)``, each ``.ref.`` parameter
+    ``copy_`` of its ``.default.`` one; ``_generate_and_score_completions`` runs the reference under
+    ``use_adapter(model, adapter_name="ref")``). (Given ``peft_config`` instead, TRL wraps the model
+    itself and adds no copy: the base with adapters disabled; vramplan's train.py and truths hand a
+    PeftModel.)"""
+    if setup.objective not in ("dpo", "kto", "grpo") or not setup.adapters:
         return 0
     if reference(setup) not in ("adapter", "precomputed"):
         return 0

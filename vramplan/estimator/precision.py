@@ -85,6 +85,8 @@ def adapter_dtype_bytes(setup: Setup) -> int:
     quantized base is never built under ``zero.Init`` (transformers creates it on the meta device
     and loads it whole on every rank): stage 3 partitions it at ``initialize`` and casts it,
     adapters included, like stage 1/2."""
+    if setup.framework == "unsloth":  # matmul_lora casts A and B to its input's dtype (unsloth/kernels/utils.py)
+        return int(DTYPE_BYTES[PRECISION_COMPUTE_DTYPE[setup.precision]])
     if setup.fsdp != "none":  # FSDP's MixedPrecision (the -mixed precisions) computes the adapters on
         # 16-bit copies; without it (bf16, fp16, fp32) peft's fp32 adapters run in fp32 on fp32 inputs
         return 2 if setup.precision.endswith("-mixed") else 4

@@ -17,7 +17,7 @@ from ..bands import DEFAULT_ERROR_BANDS
 from ..setup.checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..util.units import PRECISION_WEIGHT_DTYPE
-from . import act_offload, eval_step, knobs, objectives, selective, tensor_parallel, transients, vllm_share
+from . import act_offload, eval_step, knobs, objectives, selective, tensor_parallel, transients, unsloth, vllm_share
 from . import activations as act
 from . import context_parallel as cp_rank
 from . import layer_split_memory as split_memory
@@ -41,7 +41,7 @@ from .model_states import (
     weight_dtype_bytes,
     weights_bytes,
 )
-from .precision import compute_bytes
+from .precision import compute_bytes, kbit_upcast
 from .stack import DEFAULT_STACK, Stack, stack_notes
 
 
@@ -72,7 +72,10 @@ def estimate(
     states = _per_rank_states(model, setup, single, cast)
     pset = setup if setup.objective == "sft" else objectives.policy_setup(setup, stack)  # DPO/GRPO rows
     acts = _activations(model, pset, stack, setup, loss_model or model, attention_floor)
+    if setup.loss == "unsloth" and gpu is not None:  # its chunks follow the memory free at the first loss
+        acts = unsloth.on_card(model, setup, gpu, states.weights + states.adapters + states.optimizer_states, acts)
     phase_peaks, recompute = _phase_peaks(model, pset, states, cast, acts, stack)
+    phase_peaks = {p: b + unsloth.dequantization_buffer_bytes(model, setup) for p, b in phase_peaks.items()}
     split = None
     if setup.device_map != "none":  # a layer split: the fullest GPU's terms (estimator/layer_split_memory.py)
         ends = (_layer_backward(model, pset, acts, model.num_layers - 1)[0], *_layer_backward(model, pset, acts, 0))
@@ -103,7 +106,7 @@ def estimate(
         tier="analytic",
         components=eval_step.with_eval_phase(setup, objectives.with_objective_phases(
             setup, _components(pset, states, acts, recompute, paged, overheads)) + extra.components) + ev_comps
-        + act_offload.components(model, setup),
+        + act_offload.components(model, setup) + unsloth.components(model, setup),
         phase_peaks_bytes=phase_peaks,
         phase=phase,
         tensor_peak_bytes=int(tensor_peak),
@@ -112,7 +115,7 @@ def estimate(
         device_total_bytes=int(device_total),
         params_total=model.params_total,
         params_trainable=trainable_params(model, setup) + knobs.knob_states(model, setup).params,
-        host_bytes=int(states.host + act_offload.host_bytes(model, setup)),
+        host_bytes=int(states.host + act_offload.host_bytes(model, setup) + unsloth.host_bytes(model, setup)),
         gpu=gpu,
         notes=tuple(notes),
         error_band=corrections.bands or DEFAULT_ERROR_BANDS,  # the documented default when uncalibrated
@@ -262,6 +265,8 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
     A_layers = int(L_ck * kept_tok + (L - L_ck) * layer_tok
                    + (0 if setup.checkpointing else merged_total + knobs.dora_saved_fixed(model, aset)))
     A_layers += A_deq
+    if unsloth.offloads(model, setup):  # Unsloth's checkpointing: the layer inputs in host RAM but the last
+        A_layers = unsloth.device_checkpoint_bytes(model, setup, kept_tok, L)
     A_glob = int(act.global_bytes_per_token(loss_model or model, aset) * N)
     logits_fwd, logits_bwd = transients.loss_transients(loss_model or model, aset, stack)
     if user is not None and (user.objective != "sft" or user.loss == "trl"):  # TRL's fused head (objectives.py)
@@ -307,6 +312,8 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     # 4-bit copy peaks apart from them (read off the CPU truth: validate --knob quantization)
     t_grad = max(t_mlp, a.attention_backward - mlp_side * N - merged)
     ck = selective.is_checkpointed(setup, idx)  # (every layer, or every k-th: estimator/selective.py)
+    if ck and setup.framework == "unsloth":  # its own decoder forward and fused LoRA kernels (estimator/unsloth.py)
+        return unsloth.recompute_bytes(model, setup), a.layer_kept
     apart = ck and setup.quant != "int8"
     transient = max(t_grad, a.dequantization) if apart else t_grad + a.dequantization
     kept = a.layer_kept if ck else saved
@@ -452,6 +459,7 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
                   "its LoRA weight is built from") if a.dora_norm else None,
         Component("checkpointed_inputs", ckpt_inputs, fb, note="layer inputs kept by checkpointing"
                   + (" (host RAM at the loss with activation offloading)" if setup.activation_offload else "")
+                  + unsloth.checkpoint_note(setup)
                   + (f" (one layer in {setup.checkpoint_every})" if selective.selective(setup) else ""))
         if setup.checkpointing else None,
         Component("recompute", recompute, ("backward",), note="one layer recomputed, with its gradient temporaries")
@@ -460,6 +468,7 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
         Component("logits_loss", logits, fb,
                   note="TRL's fused log-prob head (4096 x 32768 tiles, fp32 gradients)"
                   if setup.objective != "sft" or setup.loss == "trl"
+                  else unsloth.LOSS_NOTE if setup.loss == "unsloth"
                   else "logits, fp32 upcast and its gradient" if setup.loss == "hf"
                   else f"one {transients.LOSS_CHUNK_TOKENS}-token chunk at a time (chunked loss)"),
         Component("deepspeed_buffers", st.buffers, PHASES) if st.buffers and not st.ddp_buckets else None,
@@ -486,5 +495,6 @@ def _weights_note(setup: Setup) -> str:
         rest = "fp32 (k-bit prep)" if setup.quant == "awq" else PRECISION_WEIGHT_DTYPE[setup.precision]
         return f"{setup.quant} {setup.quant_bits}-bit {g} base (packed int32 + fp16 scales); other params {rest}"
     if setup.quant != "none":
-        return f"{setup.quant}{' + double quant' if setup.double_quant else ''} base; other params fp32"
+        rest = "fp32" if kbit_upcast(setup) else PRECISION_WEIGHT_DTYPE[setup.precision]
+        return f"{setup.quant}{' + double quant' if setup.double_quant else ''} base; other params {rest}"
     return PRECISION_WEIGHT_DTYPE[setup.precision]

@@ -124,6 +124,10 @@ def loss_transients(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK
     peaks as 5's does (the slice's zero-filled fp32 gradient appears once the log-probs' are freed)."""
     if setup.liger:  # the fused linear cross-entropy (estimator/liger.py)
         return liger.loss_transients(model, setup)
+    if setup.loss == "unsloth":  # Unsloth's fused cross-entropy (estimator/unsloth.py; chunks for a large card)
+        from .unsloth import loss_transients as unsloth_loss
+
+        return unsloth_loss(model, setup)
     c, V, N, h = autocast_bytes(setup), model.vocab_size, setup.tokens, model.hidden_size
     if setup.loss == "hf":
         # fp32 logits (fp32 or k-bit-prepared models): ``.float()`` is a no-op, no copy

@@ -48,13 +48,90 @@ def _profile_files() -> dict[str, str]:
     return out
 
 
+def shipped_config_ids() -> list[str]:
+    """HF id of every config in the package's models/ (indexed in aliases.json or not), sorted case-insensitively."""
+    return sorted(_profile_files().values(), key=str.lower)
+
+
 def shipped_models() -> dict[str, list[str]]:
     """HF id -> aliases of every shipped model profile."""
     return json.loads((_data() / "aliases.json").read_text())["aliases"]
 
 
+@functools.lru_cache(maxsize=1)
+def catalogue() -> dict:
+    """profiles/catalogue.json: per shipped config its source, whether verbatim, the publisher's stated parameter
+    count, its family and the Hub ids of variants that share the config (-Instruct, -Chat, -it, ...)."""
+    return json.loads((_data() / "catalogue.json").read_text())
+
+
+@functools.lru_cache(maxsize=1)
+def _variants() -> dict[str, tuple[str, str]]:
+    """lowercase variant id -> (variant id, HF id of the config it shares)."""
+    return {v.lower(): (v, hf_id) for hf_id, e in catalogue()["models"].items() for v in e.get("variants", ())}
+
+
+#: suffixes of pre-quantized re-uploads (unsloth's bitsandbytes uploads, GPTQ/AWQ); the config is the base's
+_QUANT_SUFFIXES = ("-unsloth-bnb-4bit", "-bnb-4bit", "-bnb-8bit", "-4bit", "-8bit", "-gptq", "-awq", "-int4", "-int8")
+
+
+@functools.lru_cache(maxsize=1)
+def _by_repo_name() -> dict[str, str | None]:
+    """lowercase repo name (the part after the org) -> the id it names, for shipped ids and variants (None where two
+    orgs share a repo name)."""
+    out: dict[str, str | None] = {}
+    for full in [*_profile_files().values(), *(v for v, _ in _variants().values())]:
+        short = full.split("/", 1)[1].lower()
+        out[short] = full if out.get(short, full) == full else None
+    return out
+
+
+def resolve(name: str) -> tuple[str, str, str] | None:
+    """A shipped name -> (the id to report, the HF id whose config it reads, a note when it resolves by inference);
+    None when nothing shipped matches. Exact: an HF id or alias, a config in models/, a variant in catalogue.json.
+    By inference: a re-upload (catalogue.json `reuploaders`: NousResearch/*, unsloth/*, ModelScope's LLM-Research/*,
+    TheBloke/*) whose repo name, less a pre-quantized suffix, names a shipped id, variant or alias."""
+    key = name.strip().lower()
+    hf_id = _aliases().get(key) or _profile_files().get(key)
+    if hf_id is not None:
+        return hf_id, hf_id, ""
+    if key in _variants():
+        variant, hf_id = _variants()[key]
+        return variant, hf_id, ""
+    if key.count("/") != 1:
+        return None
+    org, repo = key.split("/")
+    if org not in {r.lower() for r in catalogue().get("reuploaders", ())}:
+        return None
+    stripped = repo
+    for suffix in _QUANT_SUFFIXES:
+        if stripped.endswith(suffix):
+            stripped = stripped[: -len(suffix)]
+            break
+    target = _by_repo_name().get(stripped) or _aliases().get(stripped)
+    if target is None:
+        return None
+    hf_id = _variants()[target.lower()][1] if target.lower() in _variants() else target
+    quant = f"; its {repo[len(stripped) + 1:]} quantization is not read from the name" if stripped != repo else ""
+    note = f"{name.strip()} read as a re-upload of {target} (its config.json: {hf_id}){quant}"
+    return name.strip(), hf_id, note
+
+
+@functools.lru_cache(maxsize=1)
+def _all_names() -> dict[str, str]:
+    """Every name that resolves offline, lowercase -> as spelled: aliases, HF ids, configs in models/, variants."""
+    out = {k: k for k in _aliases()}
+    out.update({k: v for k, v in _aliases().items() if k == v.lower()})
+    out.update(_profile_files())
+    out.update({k: v for k, (v, _) in _variants().items()})
+    return out
+
+
 def _close(name: str, options) -> str:
+    """`; did you mean ...?` from difflib over ``options`` (lowercase names; a dict shows its values)."""
     close = difflib.get_close_matches(name.lower(), list(options), n=3, cutoff=0.6)
+    if isinstance(options, dict):
+        close = [options[c] for c in close]
     return f"; did you mean {', '.join(close)}?" if close else "; `vramplan models` lists the shipped ones"
 
 
@@ -67,15 +144,18 @@ def _read_config(path: Path) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def load_model(name: str) -> ModelSpec:
-    """Resolve MODEL (shipped name, alias, config.json path, directory or Hub id) to a ModelSpec."""
+    """Resolve MODEL (shipped name, alias, variant, re-upload, config.json path, directory or Hub id) to a
+    ModelSpec. A variant or re-upload keeps its own id as the name (what train.py loads) and reads the config it
+    shares: ``source`` is ``profile:<that HF id>``."""
     if not name or not name.strip():
         raise SpecError("model name is empty")
     key = name.strip()
-    hf_id = _aliases().get(key.lower()) or _profile_files().get(key.lower())
-    if hf_id is not None:
+    hit = resolve(key)
+    if hit is not None:
+        shown, hf_id, _note = hit
         file = _data() / "models" / (hf_id.replace("/", "--") + ".json")
         cfg = json.loads(file.read_text())
-        return model_spec_from_config(cfg, name=hf_id, source=f"profile:{hf_id}")
+        return model_spec_from_config(cfg, name=shown, source=f"profile:{hf_id}")
     path = Path(os.path.expanduser(key))
     if path.is_dir():
         path = path / "config.json"
@@ -88,7 +168,7 @@ def load_model(name: str) -> ModelSpec:
     if key.count("/") == 1 and not key.startswith((".", "/")):
         cfg = _hub_config(key)
         return model_spec_from_config(cfg, name=key, source=f"hub:{key}")
-    raise SpecError(f"unknown model {key!r}{_close(key, _aliases())}")
+    raise SpecError(f"unknown model {key!r}{_close(key, _all_names())}")
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
@@ -116,11 +196,11 @@ def _hub_config(repo_id: str) -> dict:
     except ImportError:
         raise SpecError(
             f"{repo_id!r} is not a shipped model; resolving Hub ids needs huggingface_hub: "
-            "pip install 'vramplan[hub]'" + _close(repo_id, _aliases())
+            "pip install 'vramplan[hub]'" + _close(repo_id, _all_names())
         ) from None
     offline = (
         f"{repo_id!r} is not shipped and the Hub cannot be reached (offline, nothing cached); "
-        "pass a local config.json instead" + _close(repo_id, _aliases())
+        "pass a local config.json instead" + _close(repo_id, _all_names())
     )
     hf_logging.set_verbosity_error()  # its retry warnings would break the one-line error rule
     try:
@@ -167,6 +247,7 @@ def _gpu_table() -> tuple[dict[str, GpuSpec], dict[str, str]]:
             aliases=tuple(g.get("aliases", ())),
             host_ram_per_gpu_bytes=g.get("host_ram_per_gpu_bytes"),
             host_ram_note=g.get("host_ram_note", ""),
+            tdp_watts=g.get("tdp_watts"),
         )
         by_name[spec.name] = spec
         for n in (spec.name, *spec.aliases):
@@ -184,4 +265,4 @@ def load_gpu(name: str) -> GpuSpec:
     key = key.removeprefix("nvidia-")
     if key in index:
         return by_name[index[key]]
-    raise SpecError(f"unknown GPU {name!r}{_close(key, index)} (or pass --gpu-memory 24GiB)")
+    raise SpecError(f"unknown GPU {name!r}{_close(key, list(index))} (or pass --gpu-memory 24GiB)")

@@ -86,8 +86,9 @@ def kept_knobs(setup: Setup) -> dict[str, Any]:
         kept["padding_free"] = True
     if setup.liger:  # a file that runs Liger keeps it; one without it may get it as a memory saver
         kept["liger"] = True
-    if setup.framework != "hf":  # the framework that runs the file (its preparation: setup/frameworks.py)
-        kept["framework"] = setup.framework
+    # the framework that runs the file (its preparation: setup/frameworks.py), the HF recipe included: a plan
+    # for a user's file never turns to another framework (search/explain_framework.py)
+    kept["framework"] = setup.framework
     if setup.eval_batch:  # the run's evals (estimator/eval_step.py): judged for fit, never searched
         kept["eval_batch"] = setup.eval_batch
     if setup.objective != "sft":

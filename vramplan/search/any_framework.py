@@ -3,10 +3,11 @@
 The frameworks differ in how they prepare the model (setup/frameworks.py), so on a small card one may
 train in VRAM where another needs a distributed engine and CPU offload. ``plan(..., framework="any")``
 plans each of :data:`CANDIDATES` (axolotl stands for LLaMA-Factory too: their preparation is modelled
-alike) and takes, in this order: one that fits; one that stays resident (no engine or offload on one
-GPU); the better quality tier (full > LoRA on a 16-bit base > 8-bit > QLoRA); the faster; the first
-of :data:`CANDIDATES` on a tie (the HF recipe ``emit``'s train.py runs). A note of kind ``framework``
-names the choice and each other framework's plan in one line."""
+alike; Unsloth: estimator/unsloth.py) and takes, in this order: one that fits; one that stays
+resident (no engine or offload on one GPU); the better quality tier (full > LoRA on a 16-bit base >
+8-bit > QLoRA); the faster; the first of :data:`CANDIDATES` on a tie (the HF recipe ``emit``'s
+train.py runs). A note of kind ``framework`` names the choice and each other framework's plan in one
+line."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .labels import size
 from .rank import quality, residency
 
 #: the frameworks ``any`` plans, in tie order
-CANDIDATES = ("hf", "trl", "axolotl")
+CANDIDATES = ("hf", "trl", "axolotl", "unsloth")
 
 
 def _key(p: Plan, index: int) -> tuple:

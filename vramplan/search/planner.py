@@ -5,14 +5,16 @@ the :class:`~vramplan.specs.Plan` assembled from what it found."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
+from ..setup.frameworks import with_framework_defaults
 from ..setup.inputs import resolve_gpu
 from ..specs import GpuSpec, ModelSpec, Plan, SpecError
 from . import explain
 from .core import Search
-from .explain_framework import framework_note
+from .explain_framework import switch_framework
 from .geometry import DEFAULT_MARGIN, HostRamSource, Target, batch_shape, global_batch_of, typical_host_ram
 from .relax import what_would
 from .space import check_fixed, rank_choices
@@ -40,8 +42,6 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
     framework and takes the one that trains best (search/any_framework.py).
     """
     if fixed.get("framework") == "any":
-        from functools import partial
-
         from .any_framework import plan_any
 
         return plan_any(partial(plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
@@ -49,6 +49,23 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                                 dataset_tokens=dataset_tokens, error_band=error_band, margin=margin, relax=relax,
                                 corrections=corrections, host_ram_source=host_ram_source),
                         {k: v for k, v in fixed.items() if k != "framework"})
+    if "framework" in fixed:  # the framework's own defaults for what is not fixed (TRL's and Unsloth's loss)
+        fixed = with_framework_defaults(fixed, given=tuple(fixed))
+    one = partial(_plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
+                  global_batch=global_batch, tokens_per_step=tokens_per_step, dataset_tokens=dataset_tokens,
+                  error_band=error_band, margin=margin, corrections=corrections,
+                  host_ram_source=host_ram_source)
+    chosen = one(**fixed, relax=relax)
+    if "framework" in fixed or gpus != 1 or nodes != 1:
+        return chosen
+    return switch_framework(one, fixed, chosen)
+
+
+def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes: int, host_ram: int | str | None,
+          nvme: bool, seq: int, global_batch: int | None, tokens_per_step: int | None, dataset_tokens: int | None,
+          error_band: float | None, margin: float, relax: bool, corrections: Corrections | None,
+          host_ram_source: HostRamSource, **fixed: Any) -> Plan:
+    """:func:`plan` for the framework ``fixed`` names (the HF recipe when it names none)."""
     spec = _resolve_model(model)
     card = _resolve_gpu(gpu)
     if isinstance(host_ram, str):
@@ -109,8 +126,6 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                                  global_batch_of(seq, gpus, global_batch, tokens_per_step),
                                  0 if gpu_floor is None else gpu_floor, ranks)
             notes += [explain.relaxation_note(r) for r in relaxed]
-        alt = framework_note(spec, target, shape, fixed, error_band, ranks, None)
-        notes += [alt] if alt is not None else []
         notes.append(explain.host_ram_source_note(target))
         return Plan(model=spec.name, setup=floor.setup, breakdown=floor.breakdown, gpu=card, nodes=nodes,
                     step_time_s=round(floor.step.step_s, 4), tokens_per_s=round(floor.tokens_per_s, 1),
@@ -120,9 +135,6 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                               biggest=result.search.biggest_micro_batch(chosen.setup),
                               batch_fixed=shape.per_gpu is not None or "batch" in fixed,
                               dataset_tokens=dataset_tokens)
-    alt = framework_note(spec, target, shape, fixed, error_band, ranks, chosen)
-    if alt is not None:
-        notes = [*notes, alt]
     return Plan(model=spec.name, setup=chosen.setup, breakdown=chosen.breakdown, gpu=card, nodes=nodes,
                 step_time_s=round(chosen.step.step_s, 4), tokens_per_s=round(chosen.tokens_per_s, 1),
                 alternatives=explain.alternatives(result, chosen), rejected=explain.rejected(result, chosen),

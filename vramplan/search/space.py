@@ -16,7 +16,7 @@ from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
 from ..estimator.layer_split import check_supported as layer_split_supported
 from ..estimator.liger import LIGER_FAMILIES
 from ..estimator.selective import check_selective
-from ..setup.checks import check, check_activation_offload, check_fsdp2
+from ..setup.checks import check, check_activation_offload, check_framework, check_fsdp2
 from ..setup.compat import known_failures, runs
 from ..specs import ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
@@ -197,6 +197,7 @@ class Space:
                                 check_selective(self.model, s)
                             check_fsdp2(self.model, s)  # a fixed --fsdp-version 2: only what FSDP2 models
                             check_hybrid(self.model, s)  # a fixed --dp-replicate: only what HSDP models
+                            check_framework(s)  # what the framework runs (Unsloth: its own savers)
                         except SpecError:
                             continue
                         if not runs(s, self.model):

@@ -170,7 +170,7 @@ def check_framework(setup: Setup) -> None:
     fw = framework(setup.framework)
     if fw.not_modelled:
         raise SpecError(f"--framework {fw.name} ({fw.title}, {fw.version}): {fw.not_modelled}; modelled: hf, trl, "
-                        "axolotl, llamafactory")
+                        "axolotl, llamafactory, unsloth")
     sharded = setup.zero_stage or setup.fsdp != "none" or setup.tp > 1 or setup.cp > 1 or setup.device_map != "none"
     if sharded:
         raise SpecError(f"--framework {fw.name} with ZeRO, FSDP, tensor/context parallelism or a layer split is not "
@@ -183,6 +183,29 @@ def check_framework(setup: Setup) -> None:
     if setup.modules_to_save.strip() or setup.dora:
         raise SpecError(f"--framework {fw.name} with modules_to_save or DoRA is not modelled yet (each framework "
                         "casts trainable copies its own way); use --framework hf")
+    if fw.name == "unsloth":
+        check_unsloth(setup)
+
+
+def check_unsloth(setup: Setup) -> None:
+    """Unsloth's FastLanguageModel LoRA path is modelled (estimator/unsloth.py): one GPU, a 16-bit or
+    nf4 base, bf16/fp16, its own loss and checkpointing; the rest is refused."""
+    why = None
+    if setup.method == "full":
+        why = "full fine-tuning (FastModel's full_finetuning path) is not modelled; use --method lora or qlora"
+    elif setup.quant not in ("none", "nf4"):
+        why = f"--quant {setup.quant}: modelled for a 16-bit or nf4 base (Unsloth's load_in_4bit)"
+    elif setup.gpus > 1:
+        why = "on several GPUs: modelled on one GPU"
+    elif setup.precision not in ("bf16", "fp16"):
+        why = f"--precision {setup.precision}: Unsloth loads and trains in bf16 (fp16 on cards without it)"
+    elif setup.liger or setup.activation_offload or setup.optimizer_in_backward or setup.checkpoint_every > 1:
+        why = ("with --liger, --activation-offload, optimizer in backward or selective checkpointing: Unsloth runs "
+               "its own kernels, loss and offloaded checkpointing")
+    elif setup.eval_batch:
+        why = "with an eval step: not modelled yet"
+    if why:
+        raise SpecError(f"--framework unsloth {why}")
 
 
 def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[str]:

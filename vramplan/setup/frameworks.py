@@ -87,9 +87,7 @@ _FRAMEWORKS = (
               "unsloth_zoo/training_utils.py prepare_model_for_training (only LoRA weights upcast); "
               "unsloth_zoo/fused_losses/cross_entropy_loss.py (chunked fused cross-entropy); "
               "unsloth_zoo/gradient_checkpointing.py (layer inputs offloaded to pinned host memory)",
-              pins="trl <= 0.24.0, transformers <= 5.5.0",
-              not_modelled="Unsloth's fused cross-entropy and offloaded checkpointing replace the step's loss and "
-                           "saved activations (not modelled yet; it needs a GPU to import, so no CPU truth)"),
+              pins="trl <= 0.24.0, transformers <= 5.5.0"),
     Framework("torchtune", "torchtune's LoRA recipes", "torchtune 0.6.1", False, 2, "chunked",
               "recipes/lora_finetune_single_device.py (bf16 model and adapters, no autocast); "
               "torchtune/modules/loss CEWithChunkedOutputLoss (8 bf16 logit chunks)",

@@ -44,6 +44,8 @@ MAX_YAML_BYTES = 1024 * 1024
 #: bounded. Field or option name -> limit.
 MAX_COUNTS: dict[str, int] = {
     "batch": 1 << 16,            # micro-batch per GPU
+    "epochs": 10_000,            # passes over --dataset-tokens
+    "max-gpus": 1024,            # the most GPUs a row of `plan --gpu any` uses (each count is planned)
     "seq": 1 << 24,              # 16M tokens per sequence
     "grad_accum": 1 << 16,
     "gpus": 1 << 16,             # GPUs in all

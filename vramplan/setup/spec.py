@@ -34,7 +34,9 @@ PRECISIONS = ("bf16", "fp16", "fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "lion")
 ATTENTIONS = ("auto", "sdpa", "eager", "flash")
 OFFLOADS = ("none", "cpu", "nvme")
-LOSSES = ("hf", "chunked", "trl")  # trl: TRL 1.16 SFTTrainer's fused LM head (estimator/objectives.py)
+#: trl: TRL 1.16 SFTTrainer's fused LM head (estimator/objectives.py); unsloth: Unsloth's fused chunked
+#: cross-entropy, the loss of --framework unsloth only (estimator/unsloth.py)
+LOSSES = ("hf", "chunked", "trl", "unsloth")
 #: PyTorch FSDP sharding as accelerate names it (lower case): none, or FULL_SHARD / SHARD_GRAD_OP /
 #: NO_SHARD (HYBRID_SHARD needs nodes and a 2-D mesh: not a Setup choice yet)
 FSDP_MODES = ("none", "full_shard", "shard_grad_op", "no_shard")
@@ -308,6 +310,9 @@ def _check_knobs(s: Setup) -> None:
                             "(no --zero, no --fsdp)")
     if s.padding_free and s.pad_mask:
         raise SpecError("padding-free batches carry no padding and no attention mask: drop --pad-mask")
+    if (s.loss == "unsloth") != (s.framework == "unsloth"):
+        raise SpecError("loss 'unsloth' is Unsloth's fused cross-entropy, which --framework unsloth always runs "
+                        "(the command line sets it): use both or neither")
     if s.liger and s.loss == "chunked":
         raise SpecError("liger's fused linear cross-entropy replaces the loss: use --loss hf with --liger")
     if s.liger and s.loss != "trl" and s.zero_stage == 3:  # huggingface/trl#3368, #5891: "size mismatch" under ZeRO-3

@@ -72,8 +72,8 @@ def trace_objective(config: dict, setup: Setup, num_layers: int | None = None, s
     ref_model = _fake_model(config, setup, num_layers, dtype, trainable=False) if ref == "copy" else None
     if ref_model is not None:
         add_fused_lm_head(ref_model)
-    ref_adapter = setup.adapters and ref in ("adapter", "precomputed") and setup.objective in ("dpo", "kto")
-    if ref_adapter:  # DPOTrainer/KTOTrainer.__init__ handed a PeftModel: a frozen "ref" copy of the adapter
+    ref_adapter = setup.adapters and ref in ("adapter", "precomputed") and setup.objective in ("dpo", "kto", "grpo")
+    if ref_adapter:  # DPO/KTO/GRPOTrainer.__init__ handed a PeftModel (GRPO: beta != 0): a frozen "ref" copy
         model.add_adapter("ref", model.peft_config["default"])
     counter = LiveTensorCounter(device="cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)

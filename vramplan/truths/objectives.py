@@ -240,6 +240,7 @@ def run_grpo(config: dict, setup: Setup) -> ObjectiveTruth:
     data = Dataset.from_list([{"prompt": _words(gen, lens.prompt, vocab, eos)} for _ in range(prompts)])
     ref = reference(setup)
     model = build_model(config, setup.replace(checkpointing=False))
+    _generate_with_cache(model, config)
     if ref == "copy":  # GRPOTrainer builds the reference from the policy's checkpoint path
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         path = tempfile.mkdtemp(prefix="vramplan-grpo-ref-")
@@ -264,6 +265,23 @@ def run_grpo(config: dict, setup: Setup) -> ObjectiveTruth:
         counter.track(*extra)
         peaks = _run(trainer, trainer.model, phases, trainer.ref_model)
     return _result(peaks, model, t0)
+
+
+def _generate_with_cache(model, config: dict) -> None:
+    """HF ``generate`` with the KV cache, as a user's checkpoint loads: its config.json's ``use_cache``
+    (true for every shipped profile) is copied into ``model.generation_config`` by transformers 5.24
+    (``GenerationConfig.from_model_config``), and ``generate`` decodes one token per step with a
+    DynamicCache only when ``generation_config.use_cache`` is true (generation/utils.py: ``model_kwargs
+    ["use_cache"] = generation_config.use_cache``; ``next_sequence_length = 1 if
+    model_kwargs["use_cache"] else None``). :func:`build_model` turns ``use_cache`` off for the training
+    step; left off, every decode step re-ran the whole prefix without a cache (the last one over
+    prompt + completion - 1 tokens), which no GRPO run of a real checkpoint does. The training forwards
+    are unchanged: TRL's fused head passes ``use_cache=False`` itself (trl/trainer/utils.py
+    ``_fused_forward``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    use = bool(config.get("use_cache", True))
+    base.config.use_cache = use
+    base.generation_config.use_cache = use
 
 
 def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:

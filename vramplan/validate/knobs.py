@@ -104,8 +104,11 @@ DISTRIBUTED_KNOB_SETUPS: dict[str, tuple[dict, ...]] = {"modules_to_save": (
 
 def distributed_knob_rows(quick: bool, row, knobs=DISTRIBUTED_KNOB_SETUPS) -> list:
     """Rows (``row``: accuracy.Row) of the knobs on 2 ranks, the worst rank's device peak as the
-    truth (``deepspeed-2`` / ``fsdp-2`` / ``ddp-2``) and each phase's; ``quick``: the first setup of each. A
-    launch that fails gives its setups' failed rows (truths/ranks.py)."""
+    truth (``deepspeed-2`` / ``fsdp-2`` / ``ddp-2``) and each phase's worst rank (the estimate is the
+    fullest GPU's, phase by phase: under ZeRO 1/2 the rank that steps the partition holding the
+    largest gradient is the fullest at the optimizer step, and need not be the rank of the overall
+    peak; on a tie that rank was the first one); ``quick``: the first setup of each. A launch that
+    fails gives its setups' failed rows (truths/ranks.py)."""
     from ..truths import distributed, fsdp
     from ..truths.ranks import failed_launch_rows
     from ..truths.tiny import TINY_BASE, TINY_SEQ, tiny_model
@@ -130,7 +133,7 @@ def distributed_knob_rows(quick: bool, row, knobs=DISTRIBUTED_KNOB_SETUPS) -> li
                 name = f"{truth}-{world}"
                 rows.append(row(f"{TINY_BASE}[tiny]", family, run.setup, worst.device_bytes, est.tensor_peak_bytes,
                                 worst.phase, est.phase, truth=name, knob=knob))
-                rows += [row(f"{TINY_BASE}[tiny]", family, run.setup, worst.phase_peaks[ph], est.phase_peaks_bytes[ph],
-                             ph, ph, truth=name, knob=knob, quantity=f"{ph}_peak_bytes")
+                rows += [row(f"{TINY_BASE}[tiny]", family, run.setup, max(r.phase_peaks.get(ph, 0) for r in run.ranks),
+                             est.phase_peaks_bytes[ph], ph, ph, truth=name, knob=knob, quantity=f"{ph}_peak_bytes")
                          for ph in KNOB_CASE_PHASES[knob] if ph in worst.phase_peaks]
     return rows

@@ -1,0 +1,152 @@
+"""--framework unsloth (estimator/unsloth.py): Unsloth's preparation, offloaded checkpointing, fused
+cross-entropy and fused LoRA layer, read from unsloth 2026.8.19 / unsloth-zoo 2026.8.13. Unsloth imports
+only with a GPU: these check the terms against the source's arithmetic and Unsloth's own published
+context-length table, not against a CPU run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from cli_helpers import assert_user_error
+from click.testing import CliRunner
+
+from vramplan import estimate, plan
+from vramplan.cli import main
+from vramplan.estimator import unsloth
+from vramplan.model.profiles import load_model
+from vramplan.search.rank import residency
+from vramplan.specs import GpuSpec, Setup
+from vramplan.util.errors import SpecError
+from vramplan.util.units import GiB
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+LLAMA = load_model("llama-3.1-8b")
+
+
+def _setup(**kw) -> Setup:
+    base = dict(method="qlora", checkpointing=True, seq=4096, batch=1, optimizer="adamw-8bit")
+    return Setup(**{**base, **kw})
+
+
+def _unsloth(**kw) -> Setup:
+    return _setup(framework="unsloth", loss="unsloth", **kw)
+
+
+def test_the_loss_and_the_framework_go_together():
+    with pytest.raises(SpecError, match="loss 'unsloth'"):
+        Setup(framework="unsloth")
+    with pytest.raises(SpecError, match="loss 'unsloth'"):
+        Setup(loss="unsloth")
+    assert _unsloth().framework == "unsloth"
+
+
+def test_chunks_follow_get_chunk_size():
+    """unsloth_zoo get_chunk_size: n = ceil(fp32 logits / target / 4) * 4, 1 when they fit the target."""
+    V = LLAMA.vocab_size
+    assert unsloth.chunks(LLAMA, _unsloth(seq=2048)) == 1  # 0.98 GiB of fp32 logits < 4 GiB
+    assert unsloth.chunks(LLAMA, _unsloth(seq=32768)) == 4  # 15.7 GiB / 4 GiB = 3.9 -> 4
+    free = 6 * GiB  # target min(3 GiB, 4 GiB)
+    exact = 32768 * V * 4 / (3 * GiB)
+    assert unsloth.chunks(LLAMA, _unsloth(seq=32768), free) == math.ceil(exact / 4) * 4 == 8
+
+
+def test_only_the_last_layer_input_and_two_buffers_stay_on_the_device():
+    s = _unsloth(seq=8192)
+    bd = estimate(LLAMA, s)
+    layer_input = 8192 * LLAMA.hidden_size * 2
+    assert bd.component("checkpointed_inputs") == 3 * layer_input
+    assert bd.component("checkpoint_offload_host") == (LLAMA.num_layers - 1) * layer_input
+    short = estimate(LLAMA, _unsloth(seq=256))  # below max_seq_length 512: plain checkpointing
+    assert short.component("checkpointed_inputs") == LLAMA.num_layers * 256 * LLAMA.hidden_size * 2
+    assert short.component("checkpoint_offload_host") == 0
+
+
+def test_no_upcast_fp32_adapters_and_the_dequantization_buffer():
+    un, trl = estimate(LLAMA, _unsloth()), estimate(LLAMA, _setup(framework="trl", loss="trl"))
+    hf = estimate(LLAMA, _setup())
+    assert un.component("weights") == trl.component("weights") < hf.component("weights")
+    assert un.component("adapters") == 2 * trl.component("adapters")  # fp32 vs TRL's bf16
+    mlp = max(l.weight_params for l in LLAMA.linears if l.role == "mlp")
+    assert un.component("dequantization_buffer") == 2 * mlp
+    assert "other params bfloat16" in next(c.note for c in un.components if c.name == "weights")
+
+
+def test_the_fused_loss_holds_a_chunk_not_the_logits():
+    s = _unsloth(seq=32768)
+    bd = estimate(LLAMA, s, GpuSpec.custom(24 * GiB))
+    chunk = 32768 // 4
+    assert bd.component("logits_loss") == 2 * 2 * chunk * LLAMA.vocab_size + 2 * 32768 * LLAMA.hidden_size
+    assert bd.component("logits_loss") < estimate(LLAMA, _setup(seq=32768)).component("logits_loss") / 3
+
+
+# Unsloth's README (unslothai/unsloth README.md at e3162dc5bf, 2025-01-14, "Llama 3.1 (8B) max. context length"):
+# Llama 3.1 8B Instruct, QLoRA r32 on every linear layer, batch 1, sequences padded to the length.
+PUBLISHED_MAX_CONTEXT = {12: 21_848, 16: 40_724, 24: 78_475, 40: 153_977, 48: 191_728, 80: 342_733}
+
+
+def _max_context(gb: int) -> int:
+    gpu = GpuSpec.custom(gb * 10**9)
+    lo, hi = 512, 1 << 20
+
+    def fits(seq: int) -> bool:
+        s = _unsloth(seq=seq, lora_rank=32, lora_alpha=32, attn="flash")
+        return estimate(LLAMA, s, gpu).device_total_bytes <= gpu.usable_memory_bytes
+
+    while hi - lo > 256:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("gb", sorted(PUBLISHED_MAX_CONTEXT))
+def test_the_longest_context_is_near_unsloths_published_table(gb):
+    """The estimate's longest context per card size against Unsloth's own table: 1.19-1.25 times it
+    (the transformers-5 HF recipe's longest against the same table's "Hugging Face + FA2" column is
+    1.14-1.33 times it: the table runs shorter than the estimates on both paths, docs/frameworks.md)."""
+    ratio = _max_context(gb) / PUBLISHED_MAX_CONTEXT[gb]
+    assert 1.0 < ratio < 1.3, ratio
+
+
+def test_llama_8b_at_32k_plans_onto_a_4090_in_vram():
+    p = plan("llama-3.1-8b", "rtx-4090", seq=32768, framework="unsloth")
+    assert p.fits and not p.tight and p.setup.framework == "unsloth" and residency(p.setup) == 0
+    assert p.setup.lora_rank <= 64
+    assert p.gpu.usable_memory_bytes - p.breakdown.device_total_bytes >= 0.10 * p.gpu.usable_memory_bytes
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--method", "full"), "full fine-tuning"),
+    (("--method", "lora", "--quant", "int8"), "--quant int8"),
+    (("--method", "qlora", "--gpus", "2"), "several GPUs"),
+    (("--method", "lora", "--liger"), "own kernels"),
+])
+def test_what_unsloth_runs_otherwise_is_refused_in_one_line(args, match):
+    assert_user_error(run("estimate", "llama-3.1-8b", "--framework", "unsloth", *args), match)
+
+
+def test_emit_writes_unsloths_config_and_a_fixed_script(tmp_path):
+    import py_compile
+
+    import yaml
+
+    from vramplan.emit import render
+    from vramplan.emit.unsloth import SCRIPT
+
+    p = plan("llama-3.1-8b", "rtx-4090", seq=32768, framework="unsloth")
+    files = render(p)
+    assert sorted(files) == ["unsloth.yaml", "unsloth_train.py", "vramplan.json"]
+    cfg = yaml.safe_load(files["unsloth.yaml"])
+    assert cfg["max_seq_length"] == 32768 and cfg["load_in_4bit"] is True and cfg["lora"]["r"] == p.setup.lora_rank
+    assert cfg["use_gradient_checkpointing"] == "unsloth" and cfg["training"]["optim"] == "adamw_8bit"
+    assert files["unsloth_train.py"] == SCRIPT  # the same text for every plan: no plan value becomes code
+    (tmp_path / "t.py").write_text(SCRIPT)
+    py_compile.compile(str(tmp_path / "t.py"), doraise=True)
+    trl = plan("llama-3.1-8b", "rtx-4090", seq=2048, framework="trl")
+    assert_user_error(run("estimate", "llama-3.2-1b", "--framework", "unsloth", "--method", "qlora",
+                          "--loss", "trl"), "loss 'unsloth'")
+    with pytest.raises(SpecError, match="Unsloth cannot express framework trl"):
+        render(trl, ["unsloth"])

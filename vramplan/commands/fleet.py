@@ -1,0 +1,112 @@
+"""``plan MODEL --gpu any|consumer|cloud|A,B,C --dataset-tokens N``: the run on each card and count
+(vramplan/search/fleet.py), as a table or JSON; and the whole-run figures of a one-card plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..specs import Plan, SpecError
+from .options import print_json
+
+FLEET_WORDS = ("any", "consumer", "cloud")
+
+
+def is_fleet(gpu_name: str | None) -> bool:
+    """``--gpu`` names several cards: a class or a comma-separated list."""
+    return bool(gpu_name) and (gpu_name in FLEET_WORDS or "," in gpu_name)
+
+
+def price_table(price_args: tuple[str, ...], prices_file: str | None):
+    """The shipped prices with ``--prices FILE`` and then ``--price NAME=USD`` over them."""
+    from ..cost.prices import parse_price_options, read_prices_file, shipped_prices, with_overrides
+
+    table = shipped_prices()
+    if prices_file:
+        table = with_overrides(table, read_prices_file(prices_file), f"--prices {prices_file}")
+    if price_args:
+        table = with_overrides(table, parse_price_options(price_args), "--price")
+    return table
+
+
+def run_json(plan: Plan, dataset_tokens: int, epochs: int, table) -> dict[str, Any] | None:
+    """The whole run of a one-card plan: hours, dollars, the price and where it comes from."""
+    from ..cost.prices import price_of
+
+    if not plan.fits or not plan.tokens_per_s:
+        return None
+    gpus = plan.setup.gpus
+    hours = dataset_tokens * epochs / plan.tokens_per_s / 3600
+    price = price_of(table, plan.gpu)
+    return {"dataset_tokens": dataset_tokens, "epochs": epochs, "gpus": gpus, "hours": round(hours, 4),
+            "usd": None if price is None else round(hours * gpus * price.usd_per_gpu_hour, 2),
+            "usd_per_gpu_hour": None if price is None else round(price.usd_per_gpu_hour, 4),
+            "price_kind": None if price is None else price.kind,
+            "price_source": None if price is None else price.source, "price_date": table.date}
+
+
+def run_line(run: dict[str, Any] | None) -> str | None:
+    """The run in words, wrapped to the terminal like the plan's own lines."""
+    if run is None:
+        return None
+    import shutil
+    import textwrap
+    money = (f"${run['usd']:,.2f} at ${run['usd_per_gpu_hour']:.3f}/GPU-h ({run['price_source']})"
+             if run["usd"] is not None else "no price for this card (--price NAME=USD)")
+    text = (f"run: {run['dataset_tokens']:,} tokens x {run['epochs']} epoch{'s' if run['epochs'] > 1 else ''} on "
+            f"{run['gpus']} GPU{'s' if run['gpus'] > 1 else ''}: {run['hours']:,.1f} h, {money}; prices of "
+            f"{run['price_date']}")
+    return "\n".join(textwrap.wrap(text, shutil.get_terminal_size((100, 24)).columns - 1))
+
+
+def plan_fleet(model: str, gpu_name: str, *, dataset_tokens: int | None, epochs: int, max_gpus: int, rank_by: str,
+               budget: float | None, deadline: float | None, table, as_json: bool, plan_kwargs: dict,
+               fixed: dict) -> None:
+    """Plan ``model`` on every card and count ``gpu_name`` names and print the comparison."""
+    from ..estimator.corrections import calibration_for
+    from ..search import plan as run_plan
+    from ..search.fleet import cards_for, compare
+
+    if dataset_tokens is None:
+        raise SpecError("--gpu with several cards compares whole runs: pass --dataset-tokens N (e.g. 100M)")
+    cards = cards_for(gpu_name)
+
+    def one(model, card, **kw):
+        return run_plan(model, card, corrections=calibration_for(card)[0], **plan_kwargs, **kw)
+
+    fleet = compare(model, cards, dataset_tokens=dataset_tokens, epochs=epochs, max_gpus=max_gpus, prices=table,
+                    rank_by=rank_by, budget=budget, deadline=deadline, plan_one=one, **fixed)
+    if as_json:
+        print_json(fleet.to_json())
+        return
+    _print_fleet(fleet)
+
+
+def _print_fleet(fleet) -> None:
+    click.echo(f"{fleet.model}: {fleet.dataset_tokens:,} tokens x {fleet.epochs} epoch"
+               f"{'s' if fleet.epochs > 1 else ''}, ranked by {fleet.rank_by}")
+    if not fleet.options:
+        click.echo("no card and count fits" + (f" ({'; '.join(fleet.cut)})" if fleet.cut else ""))
+        return
+    header = f"{'':2}{'GPU':<18}{'GPUs':>5}{'tokens/s':>11}{'hours':>9}{'USD':>11}{'$/GPU-h':>9}  plan"
+    click.echo(header)
+    for i, o in enumerate(fleet.options):
+        mark = ("$" if i == fleet.cheapest else " ") + (">" if i == fleet.fastest else " ")
+        usd = "-" if o.usd is None else f"{o.usd:,.2f}"
+        rate = "-" if o.usd_per_gpu_hour is None else f"{o.usd_per_gpu_hour:.3f}"
+        click.echo(f"{mark}{o.gpu[:17]:<18}{o.gpus:>5}{o.tokens_per_s:>11,.0f}{o.hours:>9,.1f}{usd:>11}"
+                   f"{rate:>9}  {o.plan_line}")
+    if fleet.cheapest is not None:
+        c = fleet.options[fleet.cheapest]
+        click.echo(f"cheapest ($): {c.gpus} x {c.gpu}, ${c.usd:,.2f} in {c.hours:,.1f} h")
+        click.echo(f"  price: {c.price_source}")
+    f = fleet.options[fleet.fastest]
+    click.echo(f"fastest (>): {f.gpus} x {f.gpu}, {f.hours:,.1f} h" + ("" if f.usd is None else f", ${f.usd:,.2f}"))
+    for line in fleet.cut:
+        click.echo(f"cut: {line}")
+    if fleet.no_fit:
+        click.echo(f"nothing fits on: {', '.join(fleet.no_fit)}")
+    click.echo(f"prices of {fleet.price_date} (profiles/prices.json; an owned GeForce card at its board power's "
+               "electricity): --price NAME=USD or --prices FILE to use yours. Hours from the cost model's tokens/s "
+               "(no measured band per card class yet)")
