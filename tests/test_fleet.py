@@ -4,6 +4,7 @@ each card and count (search/fleet.py) and `plan --gpu any|list|class --dataset-t
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,63 @@ def test_the_json_holds_its_schema(fleet_json):
 
     schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "schema" / "fleet.schema.json").read_text())
     jsonschema.validate(fleet_json, schema)
+
+
+def _fleet():
+    from vramplan.search.fleet import Fleet, FleetOption
+    from vramplan.specs import Setup
+
+    def row(gpu, n, hours, usd):
+        return FleetOption(gpu, gpu, n, 1, Setup(method="lora"), "lora <b>&", 1e6 / hours / 3600, hours, usd,
+                           None if usd is None else usd / hours / n, "rent", "a <script>page</script>")
+    options = (row("a100-80gb", 8, 1.0, 20.0), row("h100-sxm", 8, 0.5, 30.0), row("rtx-4090", 1, 10.0, 7.0),
+               row("l4", 1, 12.0, 9.0), row("rtx-4060-ti-16gb", 1, 40.0, None))
+    return Fleet("m<1>", 10**6, 1, "cost", options, cheapest=2, fastest=1, price_date="2026-12-07", cut=(),
+                 no_fit=("t4 x 1",))
+
+
+def test_the_pareto_front_keeps_only_rows_no_other_beats_on_both():
+    from vramplan.plans.fleet_report import pareto_front
+
+    f = _fleet()
+    assert pareto_front(f.options) == [1, 0, 2]  # fastest first; l4 (slower and dearer than the 4090) is off it
+
+
+def test_the_fleet_page_is_standalone_and_escapes_text(tmp_path):
+    from vramplan.plans.fleet_report import fleet_html
+
+    page = fleet_html(_fleet())
+    assert "<script" not in page and "&lt;script&gt;" in page and "m&lt;1&gt;" in page
+    assert 'class="front"' in page and page.count('class="point') == 4  # the unpriced row is in the table only
+    assert "src=" not in page and "<link" not in page  # nothing fetched: one standalone page
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_the_fleet_page_renders_in_headless_chromium(tmp_path):
+    import subprocess
+    import tempfile
+
+    from vramplan.plans.fleet_report import write_fleet_html
+
+    page = write_fleet_html(_fleet(), tmp_path / "fleet.html")
+    profile = tempfile.mkdtemp(prefix="vramplan-chromium-")
+    base = [shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            "--disable-background-networking", "--disable-dev-shm-usage", f"--user-data-dir={profile}"]
+    try:
+        dom = subprocess.run(base + ["--dump-dom", page.resolve().as_uri()], capture_output=True, text=True,
+                             timeout=90, env={**__import__("os").environ, "HOME": profile})
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        assert '<svg id="fleet"' in dom.stdout and dom.stdout.count('class="point') == 4
+        assert "cheapest: 1 x rtx-4090" in dom.stdout and "fastest: 8 x h100-sxm" in dom.stdout
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_plan_any_writes_the_page(tmp_path):
+    out = tmp_path / "fleet.html"
+    r = run("plan", "llama-3.2-1b", "--dataset-tokens", "10M", "--gpu", "rtx-4090,a100-80gb", "--max-gpus", "2",
+            "--html", str(out))
+    assert r.exit_code == 0, r.output
+    assert '<svg id="fleet"' in out.read_text()
+    again = run("plan", "llama-3.2-1b", "--dataset-tokens", "10M", "--gpu", "rtx-4090,a100-80gb", "--html", str(out))
+    assert_user_error(again, "--force")

@@ -76,13 +76,14 @@ def test_setup_schema_lists_every_setup_field_and_choice(schemas):
      "--gpu-memory", "24GiB"],
     ["llama-3.1-70b", "--method", "qlora", "--checkpointing", "--gpus", "2", "--device-map", "auto", "--gpu",
      "rtx-3090"],
-], ids=["full-fit", "qlora-no-gpu", "zero3-offload", "layer-split"])
+    ["llama-3.1-8b", "--gpus", "2", "--pp", "2", "--grad-accum", "2", "--gpu", "a100-80gb"],
+], ids=["full-fit", "qlora-no-gpu", "zero3-offload", "layer-split", "pipeline"])
 def test_estimate_json(validate, schemas, args):
     data = cli_json("estimate", *args, "--json")
     validate("breakdown", data)
-    # per_rank only where the GPUs differ (a layer split)
-    split = {"per_rank"} if "--device-map" in args else set()
-    assert set(data) == set(schemas["breakdown"]["properties"]) - ({"per_rank"} - split)
+    # per_rank only where the GPUs differ (a layer split, pipeline stages; fullest_stage with --pp)
+    split = {"per_rank"} if "--device-map" in args else {"per_rank", "fullest_stage"} if "--pp" in args else set()
+    assert set(data) == set(schemas["breakdown"]["properties"]) - ({"per_rank", "fullest_stage"} - split)
 
 
 def test_schema_rejects_what_the_code_would(validate):

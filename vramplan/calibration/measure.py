@@ -234,6 +234,9 @@ def check_measurable(setup) -> None:
         raise SpecError(f"--quant {setup.quant} cannot be measured: runs build random weights from the config, and a "
                         f"{setup.quant.upper()} base needs a pre-quantized checkpoint; run the emitted train.py "
                         "with --model instead")
+    if setup.pp > 1:  # the emitted train.py runs no pipeline schedule (emit refuses it): estimate-only
+        raise SpecError(f"--pp {setup.pp} cannot be measured yet: the emitted train.py runs no pipeline schedule; "
+                        "`vramplan validate --knob pp` runs torch.distributed.pipelining on CPU ranks")
 
 
 def prepare(plan: Plan, options: MeasureOptions, workdir: str | os.PathLike) -> dict:

@@ -52,6 +52,8 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
         warn(note)
     if as_json:
         data = bd.to_json()
+        if bd.setup.pp > 1 and bd.per_rank:  # pipeline parallelism: the stage the headline numbers are
+            data["fullest_stage"] = max(bd.per_rank, key=lambda r: (r.device_total_bytes, -r.rank)).rank
         if not stack.is_default:  # the stack the numbers follow, not the default one
             data["modelled_versions"] = {**data["modelled_versions"], "transformers": stack.transformers}
         print_json(data)
@@ -125,13 +127,16 @@ def print_breakdown(bd, uncalibrated: str = "") -> None:
     console.print(head)
     if bd.per_rank:
         ranks = Table(show_edge=False, pad_edge=False)
-        for col in ("GPU", "layers", "tensor peak", "allocated", "reserved", "device total", "peak phase"):
-            ranks.add_column(col, justify="left" if col in ("GPU", "layers", "peak phase") else "right")
+        unit = "stage" if bd.setup.pp > 1 else "GPU"  # pipeline parallelism: one stage per GPU
+        for col in (unit, "layers", "tensor peak", "allocated", "reserved", "device total", "peak phase"):
+            ranks.add_column(col, justify="left" if col in (unit, "layers", "peak phase") else "right")
         for r in bd.per_rank:
             layers = f"{r.layers[0]}-{r.layers[-1]} ({len(r.layers)})" if r.layers else "none"
             ranks.add_row(str(r.rank), layers, gib(r.tensor_peak_bytes), gib(r.peak_allocated_bytes),
                           gib(r.peak_reserved_bytes), gib(r.device_total_bytes), r.phase)
-        console.print("per GPU (GiB; the headline numbers are the fullest GPU's):")
+        fullest = max(bd.per_rank, key=lambda r: (r.device_total_bytes, -r.rank)).rank
+        console.print(f"per {unit} (GiB; the headline numbers are the fullest {unit}'s, {unit} {fullest}):"
+                      if unit == "stage" else "per GPU (GiB; the headline numbers are the fullest GPU's):")
         console.print(ranks)
     console.print(f"[dim]{escape(calibration_line(bd, uncalibrated))}[/]")
     if bd.tier == "analytic":

@@ -62,7 +62,7 @@ def run_line(run: dict[str, Any] | None) -> str | None:
 
 def plan_fleet(model: str, gpu_name: str, *, dataset_tokens: int | None, epochs: int, max_gpus: int, rank_by: str,
                budget: float | None, deadline: float | None, table, as_json: bool, plan_kwargs: dict,
-               fixed: dict) -> None:
+               fixed: dict, html_file: str | None = None) -> None:
     """Plan ``model`` on every card and count ``gpu_name`` names and print the comparison."""
     from ..estimator.corrections import calibration_for
     from ..search import plan as run_plan
@@ -77,10 +77,16 @@ def plan_fleet(model: str, gpu_name: str, *, dataset_tokens: int | None, epochs:
 
     fleet = compare(model, cards, dataset_tokens=dataset_tokens, epochs=epochs, max_gpus=max_gpus, prices=table,
                     rank_by=rank_by, budget=budget, deadline=deadline, plan_one=one, **fixed)
+    if html_file:
+        from ..plans.fleet_report import write_fleet_html
+
+        write_fleet_html(fleet, html_file)
     if as_json:
         print_json(fleet.to_json())
-        return
-    _print_fleet(fleet)
+    else:
+        _print_fleet(fleet)
+    if html_file:
+        click.echo(f"wrote {html_file}", err=True)
 
 
 def _print_fleet(fleet) -> None:
@@ -95,14 +101,14 @@ def _print_fleet(fleet) -> None:
         mark = ("$" if i == fleet.cheapest else " ") + (">" if i == fleet.fastest else " ")
         usd = "-" if o.usd is None else f"{o.usd:,.2f}"
         rate = "-" if o.usd_per_gpu_hour is None else f"{o.usd_per_gpu_hour:.3f}"
-        click.echo(f"{mark}{o.gpu[:17]:<18}{o.gpus:>5}{o.tokens_per_s:>11,.0f}{o.hours:>9,.1f}{usd:>11}"
+        click.echo(f"{mark}{o.gpu[:17]:<18}{o.gpus:>5}{o.tokens_per_s:>11,.0f}{o.hours:>9,.2f}{usd:>11}"
                    f"{rate:>9}  {o.plan_line}")
     if fleet.cheapest is not None:
         c = fleet.options[fleet.cheapest]
-        click.echo(f"cheapest ($): {c.gpus} x {c.gpu}, ${c.usd:,.2f} in {c.hours:,.1f} h")
+        click.echo(f"cheapest ($): {c.gpus} x {c.gpu}, ${c.usd:,.2f} in {c.hours:,.2f} h")
         click.echo(f"  price: {c.price_source}")
     f = fleet.options[fleet.fastest]
-    click.echo(f"fastest (>): {f.gpus} x {f.gpu}, {f.hours:,.1f} h" + ("" if f.usd is None else f", ${f.usd:,.2f}"))
+    click.echo(f"fastest (>): {f.gpus} x {f.gpu}, {f.hours:,.2f} h" + ("" if f.usd is None else f", ${f.usd:,.2f}"))
     for line in fleet.cut:
         click.echo(f"cut: {line}")
     if fleet.no_fit:

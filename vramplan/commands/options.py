@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from ..setup.frameworks import FRAMEWORKS, with_framework_defaults
+from ..setup.spec import PP_SCHEDULES
 from ..specs import (
     ATTENTIONS,
     DEVICE_MAPS,
@@ -276,6 +277,10 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "free memory]", show_default=False),
     SetupOption("tp", "--tp", Count("tp"), "Tensor-parallel degree (transformers tp_plan=auto; --gpus equal to it)."),
     SetupOption("cp", "--cp", Count("cp"), "Context-parallel degree (accelerate cp_size, with FSDP2 on --gpus)."),
+    SetupOption("pp", "--pp", Count("pp"),
+                "Pipeline stages (torch.distributed.pipelining, one stage per GPU; --grad-accum micro-batches)."),
+    SetupOption("pp_schedule", "--pp-schedule", click.Choice(PP_SCHEDULES),
+                "Pipeline schedule with --pp (gpipe, 1f1b modelled; the others not yet)."),
     SetupOption("fsdp_version", "--fsdp-version", click.Choice(["1", "2"]),
                 "accelerate fsdp_version: 1 (FlatParameter) or 2 (fully_shard).", callback=_stage),
     SetupOption("dp_replicate", "--dp-replicate", Count("dp_replicate"),

@@ -173,9 +173,10 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
     tokens = parse_count(dataset_tokens, "--dataset-tokens")
     table = price_table(price_args, prices_file) if (tokens or price_args or prices_file) else None
     if is_fleet(gpu_name):  # several cards: the run on each card and count (search/fleet.py)
-        if from_file or gpu_memory or out_file or html_file or emit_dir:
-            raise SpecError("--gpu with several cards compares runs: --from, --gpu-memory, --out, --html and --emit "
-                            "take one card")
+        if from_file or gpu_memory or out_file or emit_dir:
+            raise SpecError("--gpu with several cards compares runs: --from, --gpu-memory, --out and --emit take one "
+                            "card")
+        _refuse_overwrites(None, html_file, None, force)
         if model is None:
             raise SpecError("plan needs MODEL (a model name, Hub id or config.json)")
         corr_off, corr_file = knobs.pop("no_calibration"), knobs.pop("calibration_file")
@@ -186,7 +187,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
         if no_quant:
             fixed["quant"] = "none"
         plan_fleet(model, gpu_name, dataset_tokens=tokens, epochs=epochs, max_gpus=max_gpus, rank_by=rank_by,
-                   budget=budget, deadline=deadline, table=table, as_json=as_json,
+                   budget=budget, deadline=deadline, table=table, as_json=as_json, html_file=html_file,
                    plan_kwargs={"seq": seq, "margin": margin, "nvme": nvme,
                                 "global_batch": parse_count(global_batch, "--global-batch"),
                                 "tokens_per_step": parse_count(tokens_per_step, "--tokens-per-step")},

@@ -22,7 +22,7 @@ from .options import calibration_options, print_json, user_errors
               help="Only these knobs (repeatable): canonical, quantization, optimizer, precision, attention, "
                    "grad_accum, checkpointing, selective_checkpointing, moe, loss, framework, modules_to_save, dora, "
                    "optimizer_in_backward, activation_offload, liger, padding_free, gptq_awq, zero, fsdp, fsdp2, "
-                   "hybrid_shard, ddp, device_map, tp, cp, device_overheads, measured, dpo, orpo, kto, grpo, eval.")
+                   "hybrid_shard, ddp, device_map, tp, cp, pp, device_overheads, measured, dpo, orpo, kto, grpo, eval.")
 @click.option("--measurements", default="calibration/measurements", show_default=True, metavar="DIR",
               help="Records of `vramplan measure`/`sweep`: the 'measured' truth column.")
 @click.option("--throughput", is_flag=True,

@@ -91,6 +91,9 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
     hits = known_failures(plan.setup, model)
     if hits:  # never write a combination known not to run (vramplan/setup/compat.py)
         raise SpecError(f"refusing to emit: {hits[0].message()}")
+    if plan.setup.pp > 1:  # estimated (estimator/pipeline.py), not emitted: no writer runs a schedule yet
+        raise SpecError(f"cannot emit a pipeline-parallel plan yet (--pp {plan.setup.pp}): no emitted config runs "
+                        "torch.distributed.pipelining's schedules; the estimate is what vramplan gives for it")
     if "trainer" in formats and plan.setup.framework != "hf":
         from ..setup.frameworks import framework
 

@@ -17,9 +17,8 @@ from ..bands import DEFAULT_ERROR_BANDS
 from ..setup.checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
 from ..util.units import PRECISION_WEIGHT_DTYPE
-from . import act_offload, eval_step, knobs, objectives, selective, tensor_parallel, transients, unsloth, vllm_share
+from . import act_offload, eval_step, knobs, objectives, selective, transients, unsloth, vllm_share
 from . import activations as act
-from . import context_parallel as cp_rank
 from . import layer_split_memory as split_memory
 from . import optimizers as opt_rules
 from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
@@ -41,6 +40,7 @@ from .model_states import (
     weight_dtype_bytes,
     weights_bytes,
 )
+from .parallel_rank import rank_estimator
 from .precision import compute_bytes, kbit_upcast
 from .stack import DEFAULT_STACK, Stack, stack_notes
 
@@ -59,10 +59,9 @@ def estimate(
     libraries of ``stack`` run it (estimator/stack.py: transformers 5 unless told). ``loss_model``:
     the model whose vocabulary the loss sees, when ``model`` is one rank's shard of it; ``attention_floor``:
     the least a layer's attention backward adds (context parallelism's ring, estimator/context_parallel.py)."""
-    if setup.cp > 1:  # one context-parallel rank: FSDP2 on seq/cp tokens and the ring (estimator/context_parallel.py)
-        return cp_rank.rank_estimate(model, setup, gpu, corrections, stack, estimate)
-    if setup.tp > 1:  # one tensor-parallel rank: its shards, the gathered loss (estimator/tensor_parallel.py)
-        return tensor_parallel.rank_estimate(model, setup, gpu, corrections, stack, estimate)
+    one_rank = rank_estimator(setup)  # pp, cp or tp: one stage's / rank's estimate (estimator/parallel_rank.py)
+    if one_rank is not None:
+        return one_rank(model, setup, gpu, corrections, stack, estimate)
     single = _model_states(model, setup)
     notes = check(model, setup, gpu)  # raises SpecError for a setup peft would refuse
     if stack.moe_experts_linear:  # transformers 4.x quantizes per-expert Linears: the fused-experts warning is 5's

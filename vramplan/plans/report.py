@@ -150,6 +150,11 @@ def _e(x: object) -> str:
     return html.escape(str(x), quote=True)
 
 
+#: the page style and the escape the whole-run page shares (plans/fleet_report.py)
+CSS = _CSS
+escape = _e
+
+
 def breakdown_svg(bd: Breakdown, width: int = 880, height: int = 56) -> str:
     """A horizontal stacked bar of the card: one rect per component, a line at the usable limit."""
     usable = bd.gpu.usable_memory_bytes if bd.gpu is not None else bd.device_total_bytes

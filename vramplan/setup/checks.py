@@ -213,6 +213,10 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
     refuse_unmodelled(setup)
     check_framework(setup)
     check_fsdp2(model, setup)
+    if setup.pp > 1:  # pipeline parallelism: what its truth does not run is refused
+        from ..estimator.pipeline_check import check_pp
+
+        check_pp(model, setup)
     if setup.cp > 1:  # context parallelism: what its truth does not run is refused
         from ..estimator.context_parallel import check_cp
 

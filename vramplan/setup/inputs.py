@@ -58,6 +58,7 @@ MAX_COUNTS: dict[str, int] = {
     "eval_batch": 1 << 16,
     "tp": 1 << 10,
     "cp": 1 << 10,
+    "pp": 1 << 10,
     "dp_replicate": 1 << 16,
     "max_prompt_length": 1 << 24,
     "max_completion_length": 1 << 24,

@@ -62,6 +62,8 @@ def describe(setup: Setup) -> str:
         parts.append(f"tensor parallel (tp {setup.tp})")
     if setup.cp > 1:  # torch's ring attention: the sequence sharded over the GPUs
         parts.append(f"context parallel (cp {setup.cp})")
+    if setup.pp > 1:  # torch.distributed.pipelining: one stage per GPU, grad_accum micro-batches
+        parts.append(f"pipeline parallel (pp {setup.pp}, {setup.pp_schedule})")
     if setup.device_map != "none":  # one process, the layers over the GPUs
         from .max_memory import caps_text
 

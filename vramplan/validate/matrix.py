@@ -39,6 +39,7 @@ KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "gr
          "selective_checkpointing",
          "moe", "loss", "framework", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
          "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map", "tp", "cp",
+         "pp",
          "device_overheads",
          "measured", "dpo", "orpo", "kto", "grpo", "eval")
 
@@ -297,6 +298,10 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
         from ..truths.cp_truth import cp_rows
 
         rows += cp_rows(quick)
+    if "pp" in wanted:  # pipeline parallelism: torch.distributed.pipelining's schedules on N gloo ranks, per stage
+        from ..truths.pipeline import pp_rows
+
+        rows += pp_rows(quick)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "
