@@ -412,7 +412,8 @@ def normalise(row: dict) -> dict:
         "quant": quant, "double_quant": double_quant, "precision": precision, "optimizer": optimizer,
         "checkpointing": ckpt, "attn": attn, "batch": batch, "seq": max(seq, 1), "grad_accum": grad_accum,
         "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
-        "gpus": gpus_setup, "loss": "unsloth" if framework_knob == "unsloth" else "hf", "pad_mask": False, "fsdp": fsdp, "liger": liger,
+        "gpus": gpus_setup, "loss": "unsloth" if framework_knob == "unsloth" else "hf", "pad_mask": False,
+        "fsdp": fsdp, "liger": liger,
         "modules_to_save": modules_to_save, "optimizer_in_backward": in_backward, "activation_offload": act_offload,
         "device_map": device_map, "framework": framework_knob,
     }
