@@ -68,14 +68,24 @@ def test_user_prices_override_and_bad_ones_are_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def fleet_json():
-    r = run("plan", "llama-3.1-8b", "--dataset-tokens", "100M", "--epochs", "2", "--gpu", "any", "--json")
+    """Four cards at 1 and 2 GPUs (the fast tier); `--gpu any` is the slow tier's."""
+    r = run("plan", "llama-3.1-8b", "--dataset-tokens", "100M", "--epochs", "2", "--gpu",
+            "rtx-4090,l40s,a100-80gb,h100-sxm", "--max-gpus", "2", "--json")
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
 
 
-def test_any_compares_at_least_eight_cards_with_consistent_figures(fleet_json):
+@pytest.mark.slow
+def test_any_plans_at_least_eight_card_types():
+    r = run("plan", "llama-3.1-8b", "--dataset-tokens", "100M", "--epochs", "2", "--gpu", "any", "--json")
+    data = json.loads(r.stdout)
+    assert len({o["gpu"] for o in data["options"]}) >= 8
+    assert data["options"][data["cheapest"]]["usd"] == min(o["usd"] for o in data["options"] if o["usd"] is not None)
+
+
+def test_rows_have_consistent_figures(fleet_json):
     rows = fleet_json["options"]
-    assert len({o["gpu"] for o in rows}) >= 8
+    assert len({o["gpu"] for o in rows}) == 4 and {o["gpus"] for o in rows} <= {1, 2}
     for o in rows:
         assert o["hours"] == pytest.approx(2 * 100e6 / o["tokens_per_s"] / 3600, rel=0.02)
         if o["usd"] is not None:
