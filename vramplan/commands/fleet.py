@@ -32,18 +32,14 @@ def price_table(price_args: tuple[str, ...], prices_file: str | None):
 
 def run_json(plan: Plan, dataset_tokens: int, epochs: int, table) -> dict[str, Any] | None:
     """The whole run of a one-card plan: hours, dollars, the price and where it comes from."""
-    from ..cost.prices import price_of
+    from ..search.fleet import option_of
 
     if not plan.fits or not plan.tokens_per_s:
         return None
-    gpus = plan.setup.gpus
-    hours = dataset_tokens * epochs / plan.tokens_per_s / 3600
-    price = price_of(table, plan.gpu)
-    return {"dataset_tokens": dataset_tokens, "epochs": epochs, "gpus": gpus, "hours": round(hours, 4),
-            "usd": None if price is None else round(hours * gpus * price.usd_per_gpu_hour, 2),
-            "usd_per_gpu_hour": None if price is None else round(price.usd_per_gpu_hour, 4),
-            "price_kind": None if price is None else price.kind,
-            "price_source": None if price is None else price.source, "price_date": table.date}
+    o = option_of(plan, plan.gpu, plan.setup.gpus, plan.nodes, dataset_tokens * epochs, table)
+    return {"dataset_tokens": dataset_tokens, "epochs": epochs, "gpus": o.gpus, "hours": round(o.hours, 4),
+            "usd": None if o.usd is None else round(o.usd, 2), "usd_per_gpu_hour": o.usd_per_gpu_hour,
+            "price_kind": o.price_kind, "price_source": o.price_source, "price_date": table.date}
 
 
 def run_line(run: dict[str, Any] | None) -> str | None:

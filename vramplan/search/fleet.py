@@ -19,7 +19,7 @@ from ..cost.prices import PriceTable, price_of
 from ..setup.wording import describe
 from ..specs import GpuSpec, Plan, Setup, SpecError
 
-__all__ = ["CLASSES", "Fleet", "FleetOption", "cards_for", "compare", "counts"]
+__all__ = ["CLASSES", "Fleet", "FleetOption", "cards_for", "compare", "counts", "option_of"]
 
 #: ``--gpu any``/``consumer``/``cloud``: the cards each names (``any``: every card the price table rents
 #: plus the common owned GeForce cards)
@@ -108,7 +108,8 @@ def counts(max_gpus: int) -> list[int]:
     return out
 
 
-def _option(p: Plan, card: GpuSpec, gpus: int, nodes: int, tokens: int, prices: PriceTable) -> FleetOption:
+def option_of(p: Plan, card: GpuSpec, gpus: int, nodes: int, tokens: int, prices: PriceTable) -> FleetOption:
+    """One fitting plan as a row: hours for ``tokens`` (dataset x epochs) and dollars at the card's price."""
     hours = tokens / p.tokens_per_s / 3600
     price = price_of(prices, card)
     usd = None if price is None else hours * gpus * price.usd_per_gpu_hour
@@ -143,7 +144,7 @@ def compare(model: str, cards: Sequence[GpuSpec], *, dataset_tokens: int, epochs
             nodes = max(1, n // 8)
             p = plan_one(model, card, gpus=n, nodes=nodes, relax=False, **fixed)
             if p.fits and p.tokens_per_s:
-                options.append(_option(p, card, n, nodes, tokens, prices))
+                options.append(option_of(p, card, n, nodes, tokens, prices))
             else:
                 no_fit.append(f"{card.name} x {n}")
     cut = []
