@@ -283,6 +283,9 @@ def main(argv: list[str]) -> None:
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     runpy.run_path(argv[0], run_name="__main__")
+    from .ranks import exit_rank
+
+    exit_rank()  # the script finished and the report is written: skip the teardown where gloo can abort
 
 
 if __name__ == "__main__":
