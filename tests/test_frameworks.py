@@ -195,7 +195,10 @@ def test_the_default_plan_runs_the_framework_that_fits_in_vram():
 
 @pytest.mark.parametrize("model, gpu, seq", [("qwen3-8b", "rtx-3060-12gb", 2048), ("qwen2.5-7b", "rtx-3060-12gb", 2048),
                                              ("llama-3.1-8b", "rtx-4090", 8192), ("gemma-2-9b", "rtx-3060-12gb", 2048),
-                                             ("qwen2.5-14b", "rtx-4060-ti-16gb", 2048)])
+                                             ("qwen2.5-14b", "rtx-4060-ti-16gb", 2048),
+                                             ("llama-3.1-8b", "rtx-4090", 32768),
+                                             ("qwen2.5-7b", "rtx-4060-ti-16gb", 32768),
+                                             ("qwen3-8b", "rtx-4070", 8192), ("llama-3.2-3b", "rtx-4060", 8192)])
 def test_the_issues_consumer_questions_plan_in_vram_with_headroom(model, gpu, seq):
     """Issue 28's public examples: with no framework named, a plan in VRAM (no ZeRO/FSDP, no offload) with
     at least 10 % of the card free, at the user's LoRA rank."""
@@ -203,3 +206,24 @@ def test_the_issues_consumer_questions_plan_in_vram_with_headroom(model, gpu, se
     assert p.fits and not p.tight and p.setup.zero_stage == 0 and p.setup.fsdp == "none"
     assert p.setup.offload_optimizer == p.setup.offload_params == "none" and p.setup.lora_rank == 16
     assert p.gpu.usable_memory_bytes - p.breakdown.device_total_bytes >= 0.10 * p.gpu.usable_memory_bytes
+
+
+def test_a_long_context_default_plan_turns_to_unsloth_when_trl_does_not_fit_in_vram():
+    """Llama-3.1-8B at 32k on a 24 GB card: neither the HF recipe nor TRL's SFTTrainer fits; Unsloth's
+    offloaded checkpointing does, in VRAM with its margins, and the note says what the other two do there."""
+    p = plan("llama-3.1-8b", "rtx-4090", seq=32768)
+    assert p.fits and not p.tight and p.setup.framework == "unsloth" and p.setup.zero_stage == 0
+    [note] = [n for n in p.notes if n.kind == "framework"]
+    assert note.startswith("framework: unsloth") and "TRL's SFTTrainer: " in note  # nothing fits, or tight
+
+
+def test_a_named_framework_that_does_not_fit_names_the_one_that_trains_in_vram():
+    """--framework trl at 32k does not fit a 24 GB card; the plan keeps TRL (a named framework is never
+    switched) and its what-would-fit notes name Unsloth's in-VRAM plan. A named framework whose plan is
+    in VRAM with its margins gets no such note."""
+    p = plan("llama-3.1-8b", "rtx-4090", seq=32768, framework="trl", loss="trl")  # the CLI adds TRL's loss
+    assert p.setup.framework == "trl" and not (p.fits and not p.tight)
+    [note] = [n for n in p.notes if n.kind == "what_would_fit" and "--framework" in n]
+    assert note.startswith("with --framework unsloth (Unsloth): QLoRA") and "in VRAM" in note
+    ok = plan("llama-3.1-8b", "rtx-4090", seq=2048, framework="trl", loss="trl")
+    assert ok.fits and not [n for n in ok.notes if n.kind == "what_would_fit"]

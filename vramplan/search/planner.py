@@ -14,7 +14,7 @@ from ..setup.inputs import resolve_gpu
 from ..specs import GpuSpec, ModelSpec, Plan, SpecError
 from . import explain
 from .core import Search
-from .explain_framework import switch_framework
+from .explain_framework import other_framework, switch_framework
 from .geometry import DEFAULT_MARGIN, HostRamSource, Target, batch_shape, global_batch_of, typical_host_ram
 from .relax import what_would
 from .space import check_fixed, rank_choices
@@ -49,6 +49,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                                 dataset_tokens=dataset_tokens, error_band=error_band, margin=margin, relax=relax,
                                 corrections=corrections, host_ram_source=host_ram_source),
                         {k: v for k, v in fixed.items() if k != "framework"})
+    user_fixed = fixed
     if "framework" in fixed:  # the framework's own defaults for what is not fixed (TRL's and Unsloth's loss)
         fixed = with_framework_defaults(fixed, given=tuple(fixed))
     one = partial(_plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
@@ -56,8 +57,10 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                   error_band=error_band, margin=margin, corrections=corrections,
                   host_ram_source=host_ram_source)
     chosen = one(**fixed, relax=relax)
-    if "framework" in fixed or gpus != 1 or nodes != 1:
+    if gpus != 1 or nodes != 1:
         return chosen
+    if "framework" in fixed:
+        return other_framework(one, user_fixed, chosen) if relax else chosen
     return switch_framework(one, fixed, chosen)
 
 
