@@ -64,7 +64,8 @@ def test_with_adapters_the_first_input_stays_and_the_last_step_lingers(llama2):
     on, off = _trace(llama2, lora), _trace(llama2, lora.replace(activation_offload=False))
     layer_input = 512 * llama2.hidden_size * 2
     assert off.phase_peaks_bytes["backward"] - on.phase_peaks_bytes["backward"] >= 0
-    assert backward_start_saving_bytes(llama2, lora) == layer_input  # two layers, the first resident
+    # two layers, the first resident and two held through the backward (ON_DEVICE_IN_BACKWARD): none moved
+    assert backward_start_saving_bytes(llama2, lora) == 0
     assert on.phase_peaks_bytes["optimizer"] - off.phase_peaks_bytes["optimizer"] == stale_bytes(llama2, lora) \
         == 2 * layer_input
 
@@ -206,7 +207,12 @@ def test_the_train_script_runs_the_step_under_trls_manager():
     ("trl", "model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: true\n"
      "label_smoothing_factor: 0.1\n", True),  # transformers' full-logits loss: modelled
     ("trl", "model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: true\n",
-     False),  # TRL's fused LM head (loss trl): not modelled with offloading, said so
+     True),  # TRL's fused LM head (loss trl) under TRL's own preparation (--framework trl): modelled
+    ("trl", "model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: true\n"
+     "use_peft: true\nload_in_4bit: true\n", True),  # QLoRA: TRL's offloading on the base TRL loads, modelled
+    ("trl", "model_name_or_path: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nactivation_offloading: true\n"
+     "use_peft: true\nlora_modules_to_save: [lm_head]\ndtype: bfloat16\n", False),  # TRL's head on the HF recipe
+    # (modules_to_save is modelled there): not modelled with offloading, said so
 ])
 def test_readers_map_the_key(tmp_path, fmt, text, expect):
     path = tmp_path / "cfg.yaml"
@@ -215,6 +221,8 @@ def test_readers_map_the_key(tmp_path, fmt, text, expect):
     assert read.setup.activation_offload is expect
     fields = {w.field for w in read.warnings}
     assert ("activation_offloading" in fields) == (fmt == "axolotl" or not expect)  # assumed / ignored, said so
+    if fmt == "trl" and expect and "label_smoothing" not in text:
+        assert read.setup.framework == "trl"
 
 
 def test_torchtunes_offloading_is_not_trls(tmp_path):
@@ -246,3 +254,20 @@ def test_an_axolotl_config_written_with_offloading_reads_back_with_it(tmp_path):
     read = read_config(path)
     assert read.setup.activation_offload and read.setup.checkpointing
     assert estimate(m, read.setup).host_bytes == host_bytes(m, read.setup) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers, seq", [(8, 16384), (16, 16384)])
+def test_a_deep_models_backward_holds_two_layer_inputs(layers, seq):
+    """Deep and long, where the offloaded inputs matter: the trace of TRL's manager (Mistral-7B v0.3 LoRA,
+    checkpointing) peaks in the backward with exactly two layer inputs on the device beside the resident
+    one, and the estimate meets it (before this was modelled the estimate kept every input: +8 % at 16
+    layers)."""
+    from vramplan.model.architecture import with_layers
+    from vramplan.run.tracer import trace
+
+    spec = with_layers(load_model("mistral-7b"), layers)
+    setup = Setup(method="lora", checkpointing=True, activation_offload=True, seq=seq)
+    t, e = trace(spec, setup), estimate(spec, setup)
+    assert t.phase == e.phase == "backward"
+    assert abs(e.tensor_peak_bytes / t.tensor_peak_bytes - 1) < 0.005

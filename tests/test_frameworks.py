@@ -209,19 +209,23 @@ def test_the_issues_consumer_questions_plan_in_vram_with_headroom(model, gpu, se
 
 
 def test_a_long_context_default_plan_turns_to_unsloth_when_trl_does_not_fit_in_vram():
-    """Llama-3.1-8B at 32k on a 24 GB card: neither the HF recipe nor TRL's SFTTrainer fits; Unsloth's
-    offloaded checkpointing does, in VRAM with its margins, and the note says what the other two do there."""
-    p = plan("llama-3.1-8b", "rtx-4090", seq=32768)
+    """Qwen2.5-7B at 32k on a 16 GB card: the HF recipe does not fit and TRL's SFTTrainer (activation
+    offloading included) only inside the margins; Unsloth's offloaded checkpointing fits in VRAM with its
+    margins, and the note says what the other two do there. At 32k on a 24 GB card TRL's plan, with its
+    activation offloading, is in VRAM and is taken first."""
+    p = plan("qwen2.5-7b", "rtx-4060-ti-16gb", seq=32768)
     assert p.fits and not p.tight and p.setup.framework == "unsloth" and p.setup.zero_stage == 0
     [note] = [n for n in p.notes if n.kind == "framework"]
     assert note.startswith("framework: unsloth") and "TRL's SFTTrainer: " in note  # nothing fits, or tight
+    trl = plan("llama-3.1-8b", "rtx-4090", seq=32768)
+    assert trl.fits and not trl.tight and trl.setup.framework == "trl" and trl.setup.activation_offload
 
 
 def test_a_named_framework_that_does_not_fit_names_the_one_that_trains_in_vram():
-    """--framework trl at 32k does not fit a 24 GB card; the plan keeps TRL (a named framework is never
-    switched) and its what-would-fit notes name Unsloth's in-VRAM plan. A named framework whose plan is
-    in VRAM with its margins gets no such note."""
-    p = plan("llama-3.1-8b", "rtx-4090", seq=32768, framework="trl", loss="trl")  # the CLI adds TRL's loss
+    """--framework trl at 32k on a 16 GB card fits only inside the margins; the plan keeps TRL (a named
+    framework is never switched) and a what-would-fit note names Unsloth's in-VRAM plan. A named framework
+    whose plan is in VRAM with its margins gets no such note."""
+    p = plan("qwen2.5-7b", "rtx-4060-ti-16gb", seq=32768, framework="trl", loss="trl")  # the CLI adds TRL's loss
     assert p.setup.framework == "trl" and not (p.fits and not p.tight)
     [note] = [n for n in p.notes if n.kind == "what_would_fit" and "--framework" in n]
     assert note.startswith("with --framework unsloth (Unsloth): QLoRA") and "in VRAM" in note

@@ -160,7 +160,8 @@ def test_a_model_below_deepspeeds_aio_size_swaps_nothing():
 def test_nvme_is_a_fallback_after_cpu_offload(model):
     """--nvme allows NVMe offload; it does not change a plan that fits with CPU offload (before: a full
     fine-tune or a 16-bit base swapped through NVMe at a fraction of the speed)."""
-    cpu = vramplan.plan(model, RTX4090, host_ram="64GiB")
-    nvme = vramplan.plan(model, RTX4090, host_ram="64GiB", nvme=True)
+    # the HF recipe's plan (with no framework named, Qwen2.5-32B turns to TRL's in VRAM: no offload to compare)
+    cpu = vramplan.plan(model, RTX4090, host_ram="64GiB", framework="hf")
+    nvme = vramplan.plan(model, RTX4090, host_ram="64GiB", nvme=True, framework="hf")
     assert cpu.fits and residency(cpu.setup) == 2 and nvme.setup == cpu.setup
     assert "nvme" not in (nvme.setup.offload_optimizer, nvme.setup.offload_params)

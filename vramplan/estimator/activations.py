@@ -199,6 +199,30 @@ def _int8_inputs_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...
     return total / model.num_layers
 
 
+def int8_checkpoint_held_per_token(model: ModelSpec, setup: Setup) -> float:
+    """What a checkpointed layer keeps besides its input on an LLM.int8 base, per token and layer:
+    bitsandbytes 0.50's ``MatMul8bitLt.forward`` keeps its input ``A`` as ``ctx.tensors`` (a ctx
+    attribute, not ``save_for_backward``) whenever the input requires grad, as it does under LoRA;
+    checkpointing's saved-tensor hooks never see it, so each int8 Linear's input lives until the
+    backward reaches its layer: each norm output once (the projections reading it share it), the
+    attention output, the MLP's product. (MatMul4Bit saves through ``save_for_backward``: a 4-bit
+    base keeps only the layer input.)"""
+    if setup.quant != "int8" or not setup.checkpointing or setup.method == "full":
+        return 0.0
+    c = compute_bytes(setup)
+    stream = 4 if mixed(setup) else c  # a norm's output, the MLP's product: the residual stream's dtype
+    total, groups = 0.0, set()
+    for l in model.linears:
+        if l.role == "head":
+            continue
+        if l.name in OUTPUT_PROJECTIONS:
+            total += (autocast_bytes(setup) if l.role == "attn" else stream) * l.in_features * l.count
+        elif l.role not in groups:
+            groups.add(l.role)
+            total += stream * l.in_features * l.count
+    return total / model.num_layers
+
+
 #: Linears that read the attention output or the MLP's hidden activation (not a norm's output).
 OUTPUT_PROJECTIONS = frozenset({"o_proj", "dense", "out_proj", "c_proj", "down_proj", "fc2", "fc_out", "w2",
                                 "dense_4h_to_h"})
@@ -317,6 +341,18 @@ def mla_attention_bytes(model: ModelSpec, setup: Setup) -> float:
 def checkpoint_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     """HF gradient checkpointing (non-reentrant) keeps each layer's input hidden states."""
     return compute_bytes(setup) * model.hidden_size
+
+
+def checkpoint_kept_per_token(model: ModelSpec, setup: Setup) -> float:
+    """What a checkpointed layer keeps through the forward: its input and, on an LLM.int8 base, its int8
+    Linears' inputs (:func:`int8_checkpoint_held_per_token`)."""
+    return checkpoint_bytes_per_token(model, setup) + int8_checkpoint_held_per_token(model, setup)
+
+
+def checkpoint_note(setup: Setup) -> str:
+    """The ``checkpointed_inputs`` component's words past "layer inputs kept by checkpointing"."""
+    return ((" (host RAM at the loss with activation offloading)" if setup.activation_offload else "")
+            + (", each int8 Linear's input (MatMul8bitLt's ctx)" if setup.quant == "int8" else ""))
 
 
 def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:

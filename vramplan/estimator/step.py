@@ -254,7 +254,7 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
     layer_tok = (act.layer_bytes_per_token(model, aset) + knobs.dora_saved_per_token(model, aset)) * N
     merged_total = act.moe_lora_weight_bytes(model, aset)
     merged_layer = merged_total / model.moe.num_moe_layers if merged_total else 0
-    kept_tok = act.checkpoint_bytes_per_token(model, aset) * N if setup.checkpointing else layer_tok
+    kept_tok = act.checkpoint_kept_per_token(model, aset) * N if setup.checkpointing else layer_tok
     # selective checkpointing (estimator/selective.py): L_ck layers keep their input, the rest all
     L_ck = selective.checkpointed_count(setup, L)
     # GPTQ: every quantized Linear saves its dequantized 16-bit weight (a checkpointed layer's
@@ -379,13 +379,14 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
     start = (base + cast_cache + accum_grads + A_layers - act_offload.backward_start_saving_bytes(model, setup)
              + a.model_io + a.logits_backward)
     cast_top, cast_bottom = cast_cache - cast.head, cast.layer
+    A_top = A_layers - act_offload.top_layers_saving_bytes(model, setup)  # the top layers' backward (offloaded)
     if setup.adapters and selective.selective(setup) and selective.is_checkpointed(setup, L - 1):
         cast_top += cast.layer  # the recomputed top layer casts its frozen weights again
     if setup.method == "full":
         G_head = head_params(model) * weight_dtype_bytes(setup)
         G_layer = (G - G_head) / max(L, 1)
         # with accumulation, every gradient exists from the first micro-batch on
-        first = base + cast_top + (G if accum_grads else G_head) + A_layers + top_extra
+        first = base + cast_top + (G if accum_grads else G_head) + A_top + top_extra
         last = base + cast_bottom + (G if accum_grads else G - G_layer) + bottom_kept + bottom_extra
         # tied embeddings: autograd's InputBuffer sums the head's and the embedding's gradient
         # out of place, so both and their sum coexist before the parameter's .grad is set (with
@@ -395,7 +396,7 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
         backward = max(start, first, last, end)
     else:
         # the top layer's backward: log-probs and logits gradients are gone by then
-        first = base + cast_top + accum_grads + A_layers + top_extra
+        first = base + cast_top + accum_grads + A_top + top_extra
         last = base + cast_bottom + G + bottom_kept + bottom_extra
         backward = max(start, first, last, base + G)
     optimizer = W + A_w + G + S + T_opt + st.buffers + act_offload.stale_bytes(model, setup)  # (TRL holds them)
@@ -457,7 +458,7 @@ def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute
         Component("dora_weight_norm", a.dora_norm, fb, note="one Linear's W + s*BA in fp32 and the eye(in) "
                   "its LoRA weight is built from") if a.dora_norm else None,
         Component("checkpointed_inputs", ckpt_inputs, fb, note="layer inputs kept by checkpointing"
-                  + (" (host RAM at the loss with activation offloading)" if setup.activation_offload else "")
+                  + act.checkpoint_note(setup)
                   + unsloth.checkpoint_note(setup)
                   + (f" (one layer in {setup.checkpoint_every})" if selective.selective(setup) else ""))
         if setup.checkpointing else None,

@@ -167,6 +167,11 @@ def _framework(format: str, m: Mapped) -> None:
     else:
         m.assume("framework", format, "its preparation is modelled for SFT on one GPU or DDP ranks without "
                  "modules_to_save or DoRA: the HF Trainer recipe (--framework hf) is estimated")
+    if m.setup.get("activation_offload") and m.setup.get("loss") == "trl" and m.setup.get("framework") != "trl":
+        m.setup["activation_offload"] = False
+        m.ignore("activation_offloading", True, "activation offloading with TRL's fused LM head (loss trl) is "
+                 "modelled with TRL preparing the model (--framework trl), not on the HF recipe read here: "
+                 "activations stay on the GPU")
 
 
 def _finish(data: dict, path: Path, format: str, m: Mapped) -> ReadConfig:

@@ -208,11 +208,7 @@ def trl_trainer_fields(f: Fields, m: Mapped, *, sft: bool = True) -> None:
                 m.assume("loss_type", f.raw("loss_type"), "DFT weights the fused head's log-probs (N-sized): "
                          "modelled as loss trl")
     if f.bool("activation_offloading", False):  # SFTTrainer.training_step under OffloadActivations
-        if m.setup.get("loss") == "trl":
-            m.ignore("activation_offloading", True, "activation offloading with TRL's fused LM head (loss trl) is "
-                     "not modelled (estimator/act_offload.py: transformers' loss): activations stay on the GPU")
-        else:
-            m.setup["activation_offload"] = True
+        m.setup["activation_offload"] = True  # (with TRL's fused head: under --framework trl only, readers._framework)
 
 
 def objective_fields(f: Fields, m: Mapped) -> None:

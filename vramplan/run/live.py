@@ -213,11 +213,19 @@ class SplitCounter(LiveTensorCounter):
         optimizer.register_step_post_hook(_post)
 
     def mark_host(self, tensors) -> None:
-        for t in tensors:
+        """Count ``tensors`` (one tensor or several) as host memory from now on."""
+        for t in [tensors] if hasattr(tensors, "untyped_storage") else tensors:
             self._track(t)
             sid = self._by_obj.get(id(t.untyped_storage()))
             if sid is not None:
                 self.host_sids.add(sid)
+        self._observe()
+
+    def unmark_host(self, tensor) -> None:
+        """Count ``tensor``'s storage as device memory again (an offloaded activation brought back)."""
+        sid = self._by_obj.get(id(tensor.untyped_storage()))
+        if sid is not None:
+            self.host_sids.discard(sid)
         self._observe()
 
     def host_live(self) -> int:

@@ -125,16 +125,19 @@ def check_activation_offload(model: ModelSpec, setup: Setup) -> None:
         why = ("without --checkpointing TRL offloads every saved tensor but its storage deduplication keeps each "
                "tensor saved twice on the device (it can take more device memory than checkpointing alone); "
                "not modelled: add --checkpointing")
-    elif setup.method == "qlora" or setup.quant != "none":
-        why = "on a quantized base: modelled for a 16-bit base (bitsandbytes layers are not traced)"
+    elif (setup.method == "qlora" or setup.quant != "none") and setup.framework != "trl":
+        why = ("on a quantized base: verified with TRL's SFTTrainer preparing the model (--framework trl), "
+               "not with this framework's preparation")
     elif model.traits.norm not in ("rms", "rms_fp32_mul") or model.traits.final_logit_softcapping:
         why = f"on {model.name} (its final norm or logit soft-capping saves other tensors): not traced yet"
     elif setup.precision not in ("bf16", "fp16"):
         why = f"with --precision {setup.precision}: modelled for a 16-bit step (bf16, fp16)"
     elif setup.gpus > 1 or setup.zero_stage or setup.fsdp != "none" or setup.device_map != "none":
         why = "on several GPUs (ZeRO, FSDP, DDP, a layer split): modelled on one GPU"
-    elif setup.loss != "hf" or setup.liger or setup.objective != "sft":
-        why = "with a fused/chunked loss, Liger or DPO/GRPO: modelled with transformers' default loss (SFT)"
+    elif (setup.loss not in ("hf", "trl") or (setup.loss == "trl" and setup.framework != "trl") or setup.liger
+          or setup.objective != "sft"):
+        why = ("with a chunked loss, Liger or DPO/GRPO: modelled with transformers' default loss and, under "
+               "--framework trl, TRL's fused head (SFT)")
     elif setup.padding_free or setup.pad_mask or setup.eval_batch:
         why = "with padding-free or padded batches or an eval step: not traced yet"
     elif setup.modules_to_save or setup.dora or setup.optimizer_in_backward or setup.checkpoint_every > 1:

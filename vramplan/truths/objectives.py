@@ -295,7 +295,7 @@ def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from ..run.live import LiveTensorCounter
+    from ..run.live import LiveTensorCounter, SplitCounter
     from .cpu_truth import build_model
 
     t0 = time.perf_counter()
@@ -317,13 +317,23 @@ def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:
     with _quiet(), tempfile.TemporaryDirectory() as out:
         args = SFTConfig(**{**_config_common(setup, out), "per_device_train_batch_size": setup.batch},
                          max_length=setup.seq, packing=False, dataset_num_proc=None)
-        counter = LiveTensorCounter(device="cpu")
+        counter = SplitCounter() if setup.activation_offload else LiveTensorCounter(device="cpu")
         phases = _Phases(counter)
         trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=word_tokenizer(vocab, eos),
                              callbacks=[_callback(phases)], **extra)
         model = trainer.model
+        if setup.activation_offload:
+            # SFTConfig(activation_offloading=True) builds get_act_offloading_ctx_manager(model) in __init__,
+            # which needs an accelerator; the same manager with cpu playing the device (run/act_offload.py),
+            # entered by SFTTrainer.training_step as TRL enters its own; its host copies count as host
+            from ..run.act_offload import offload_manager
+
+            trainer.maybe_activation_offload_context = offload_manager(model, counter, lambda t: t)
+            counter.measuring = True
         weights = frozen_bytes(model)
         peaks = _run(trainer, trainer.model, phases)
+        if setup.activation_offload:  # the device's peaks: the host copies left out
+            peaks = {k: v for k, v in counter.device_phase_peaks.items() if k in TRUTH_PHASES}
     return dataclasses.replace(_result(peaks, model, t0), weights_bytes=weights)
 
 

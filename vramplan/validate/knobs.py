@@ -45,6 +45,10 @@ def knob_cases(quick: bool, case, dense) -> list:
                     lora.replace(seq=1024, checkpointing=True, checkpoint_every=2)], SELECTIVE_LAYERS)]
     return [
         *_trace(case, "activation_offload", dense, OFFLOAD_SETUPS),
+        # deep and long: the layer inputs offloaded against the two the backward holds (act_offload.py);
+        # v0.3: no sliding window (v0.1's 4096-token window masks s^2 at 16k)
+        *_trace(case, "activation_offload", ("mistralai/Mistral-7B-v0.3",), [
+            Setup(method="lora", checkpointing=True, activation_offload=True, seq=16384)], 16),
         *_trace(case, "modules_to_save", dense, [
             lora.replace(modules_to_save=_BOTH), lora.replace(modules_to_save="embed_tokens"),
             lora.replace(modules_to_save="lm_head", checkpointing=True, batch=2),

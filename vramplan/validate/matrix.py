@@ -24,7 +24,7 @@ from ..specs import Setup
 from .accuracy import Row
 from .evaluation import EVAL_CASE_PHASES, eval_cases, eval_cpu_rows
 from .knobs import KNOB_CASE_PHASES, distributed_knob_rows, knob_cases
-from .objectives import framework_cases, objective_cases, objective_rows, trl_loss_cases
+from .objectives import DEEP_SHRINK, framework_cases, objective_cases, objective_rows, trl_loss_cases
 
 #: Models of the matrix: three dense families for every knob, three MoE families for MoE routing.
 DENSE = ("meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-7B", "google/gemma-2b")
@@ -116,6 +116,10 @@ def matrix(quick: bool = False) -> list[Case]:
             short.replace(method="lora", quant="int8"),
             short.replace(method="lora", quant="int8", precision="bf16-mixed"),
         ]),
+        # LLM.int8 with checkpointing: each int8 Linear's input outlives the checkpoint (MatMul8bitLt's
+        # ctx.tensors); 12 narrow layers so that the per-layer term shows against the recomputed layer
+        *[Case("quantization", m, Setup(method="lora", quant="int8", checkpointing=True, seq=1024, batch=2, **kw),
+               "cpu-run", shrink=DEEP_SHRINK) for m in DENSE[:2] for kw in ({}, {"framework": "axolotl"})],
         *_trace_cases("optimizer", DENSE, [short.replace(optimizer=o) for o in ("adamw-fused", "sgd", "adafactor")]
                       + [short.replace(method="lora", optimizer="adafactor")]),
         *_cpu_cases("optimizer", DENSE, [short.replace(optimizer=o) for o in ("adamw-8bit", "paged-adamw-8bit", "lion")]

@@ -51,9 +51,27 @@ def framework_cases(quick: bool, case_type, dense: tuple[str, ...]) -> list:
     trl = SFT_TRL.replace(framework="trl")
     if quick:
         return [case_type("framework", dense[0], trl.replace(method="qlora"), "trl-cpu")]
-    return [case_type("framework", name, trl.replace(**kw), "trl-cpu") for name in dense[:2]
-            for kw in ({"method": "qlora"}, {"method": "qlora", "checkpointing": True}, {"method": "lora"},
-                       {"method": "lora", "quant": "int8"})]
+    return [*[case_type("framework", name, trl.replace(**kw), "trl-cpu") for name in dense[:2]
+              for kw in ({"method": "qlora"}, {"method": "qlora", "checkpointing": True}, {"method": "lora"},
+                         {"method": "lora", "quant": "int8"})],
+            *offload_cases(case_type, dense)]
+
+
+#: A deeper, narrower CPU model (validate/matrix.py's cpu-run cases): what a checkpointed layer keeps (its input,
+#: an int8 base's Linear inputs) and what offloading moves show per layer.
+DEEP_SHRINK = {"layers": 12, "hidden": 256, "heads": 4, "vocab": 2048}
+
+#: TRL's activation offloading (SFTConfig activation_offloading) on the base TRL prepares, 12 narrow layers so
+#: that the offloaded layer inputs show: NF4, LLM.int8, a 16-bit LoRA base, gradient accumulation.
+OFFLOAD_TRL = tuple(SFT_TRL.replace(framework="trl", checkpointing=True, activation_offload=True, seq=1024, **kw)
+                    for kw in ({"method": "qlora"}, {"method": "lora", "quant": "int8"}, {"method": "lora"},
+                               {"method": "qlora", "batch": 1, "grad_accum": 2}))
+
+
+def offload_cases(case_type, dense: tuple[str, ...]) -> list:
+    """``validate --knob activation_offload``'s TRL rows: SFTTrainer's real step with TRL's offloading
+    manager (truths/objectives.py run_sft), cpu playing the device."""
+    return [case_type("activation_offload", dense[0], s, "trl-cpu", shrink=DEEP_SHRINK) for s in OFFLOAD_TRL]
 
 
 def objective_cases(quick: bool, case_type, dense: tuple[str, ...]) -> list:
