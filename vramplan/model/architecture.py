@@ -14,13 +14,12 @@ from collections.abc import Callable
 
 from ..specs import SpecError
 from .modelspec import (
-    FamilyTraits,
     LinearSpec,
-    MlaDims,
     ModelSpec,
     MoeSpec,
     truncate_config,
 )
+from .traits import family_traits
 
 _Builder = Callable[[dict, str, str], ModelSpec]
 FAMILIES: dict[str, _Builder] = {}
@@ -88,6 +87,8 @@ def _head(cfg: dict, lay: _Layers, V: int, h: int, tie_default: bool, bias: bool
     tie = bool(cfg.get("tie_word_embeddings", tie_default))
     if not tie:
         lay.linear("lm_head", h, V, bias, "head", count=1, top=True)
+    elif bias:  # a tied head keeps its own bias (Phi, GPT-J)
+        lay.add("lm_head_bias", V)
     return tie
 
 
@@ -97,7 +98,8 @@ def _head(cfg: dict, lay: _Layers, V: int, h: int, tie_default: bool, bias: bool
 
 @_family(
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "cohere",
-    "stablelm", "starcoder2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+    "stablelm", "starcoder2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
+    "glm", "glm4", "olmo",
 )
 def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
     mt = cfg["model_type"]
@@ -113,7 +115,7 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
     norm_kind, norms_per_layer, act, mlp_kind = rms, 2, _act(cfg), "gated"
     qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
     mlp_bias = bool(cfg.get("mlp_bias", False))
-    tie_default = mt in ("gemma", "gemma2", "gemma3_text", "cohere", "starcoder2")
+    tie_default = mt in ("gemma", "gemma2", "gemma3_text", "cohere", "starcoder2", "smollm3")
     default_attn = "sdpa"
     qk_norm = 0  # parameters of q/k norms per layer
     moe = None
@@ -153,6 +155,17 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
         act = _act(cfg, default="gelu_pytorch_tanh")
     elif mt == "phi3":
         qkv_bias = o_bias = False
+    elif mt == "olmo":
+        norm_kind = "layernorm_nobias"
+        if cfg.get("clip_qkv") is not None:  # clamp_ on q, k and v: no recipe here, as before (meta fallback)
+            from ..run.meta import model_spec_from_meta
+
+            return model_spec_from_meta(cfg, name=name, source=source)
+    elif mt in ("glm", "glm4"):  # GlmConfig/Glm4Config: q/k/v biases, fused gate_up, head_dim 128 by default
+        qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
+        hd = int(cfg.get("head_dim") or 128)
+        if mt == "glm4":  # post_self_attn_layernorm and post_mlp_layernorm
+            norms_per_layer = 4
 
     # attention
     if mt == "phi3":
@@ -191,7 +204,7 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
         moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
                       shared_expert_intermediate_size=shared_i, gated_shared_expert=bool(shared_i),
                       norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "mixtral")), moe_layers=tuple(moe_layers))
-    elif mt == "phi3":
+    elif mt in ("phi3", "glm", "glm4"):
         lay.linear("mlp.gate_up_proj", h, 2 * _req(cfg, "intermediate_size"), False, "mlp")
         lay.linear("mlp.down_proj", i, h, False, "mlp")
     elif mlp_kind == "plain":
@@ -204,6 +217,8 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
         lay.linear("mlp.down_proj", i, h, mlp_bias, "mlp")
 
     per_norm = 2 * h if norm_kind == ln else h
+    if mt == "olmo":  # OlmoLayerNorm: F.layer_norm in fp32 without weight or bias
+        per_norm = 0
     lay.add("norms", (norms_per_layer * L + 1) * per_norm)
     lay.add("embed_tokens", V * h)
     tie = _head(cfg, lay, V, h, tie_default)
@@ -295,6 +310,37 @@ def _gpt_neox(cfg: dict, name: str, source: str) -> ModelSpec:
     )
 
 
+@_family("phi")
+def _phi(cfg: dict, name: str, source: str) -> ModelSpec:
+    """Phi-1/1.5/2 (PhiForCausalLM): one LayerNorm feeding parallel attention and MLP, biases everywhere,
+    partial RoPE, a biased lm_head."""
+    V, h, L = _req(cfg, "vocab_size"), _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers")
+    a = _req(cfg, "num_attention_heads")
+    kvh = int(cfg.get("num_key_value_heads") or a)
+    if a % kvh:
+        raise SpecError(f"config.json: num_attention_heads ({a}) is not a multiple of num_key_value_heads ({kvh})")
+    hd = h // a
+    i = _req(cfg, "intermediate_size")
+    lay = _Layers("model.layers", L)
+    lay.linear("self_attn.q_proj", h, a * hd, True, "attn")
+    lay.linear("self_attn.k_proj", h, kvh * hd, True, "attn")
+    lay.linear("self_attn.v_proj", h, kvh * hd, True, "attn")
+    lay.linear("self_attn.dense", a * hd, h, True, "attn")
+    if cfg.get("qk_layernorm"):
+        lay.add("qk_norms", 2 * 2 * hd * L)  # q_layernorm and k_layernorm: LayerNorm(head_dim) with bias
+    lay.linear("mlp.fc1", h, i, True, "mlp")
+    lay.linear("mlp.fc2", i, h, True, "mlp")
+    lay.add("norms", (L + 1) * 2 * h)
+    lay.add("embed_tokens", V * h)
+    tie = _head(cfg, lay, V, h, False, bias=True)
+    return _spec(
+        cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=kvh,
+        head_dim=hd, intermediate_size=i, max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        tie_word_embeddings=tie, mlp_kind="plain", activation=_act(cfg, default="gelu_new"), norm_kind="layernorm",
+        default_attn="sdpa", family="phi",
+    )
+
+
 @_family("gpt2")
 def _gpt2(cfg: dict, name: str, source: str) -> ModelSpec:
     V, h, L = _req(cfg, "vocab_size"), _req(cfg, "n_embd", "hidden_size"), _req(cfg, "n_layer", "num_hidden_layers")
@@ -366,83 +412,3 @@ def with_layers(spec: ModelSpec, num_layers: int) -> ModelSpec:
     """A truncated copy of ``spec`` with ``num_layers`` decoder layers (for tests and tracing)."""
     cfg = truncate_config(spec.config, num_layers)
     return model_spec_from_config(cfg, name=f"{spec.name}[:{num_layers}]", source=spec.source)
-
-
-# ----------------------------------------------------------------------------------------------
-# Family traits: the config keys that change what autograd saves (vramplan/estimator/activations.py)
-
-
-def _p(cfg: dict, *keys: str) -> float:
-    return max(float(cfg.get(k) or 0.0) for k in keys)
-
-
-def family_traits(spec: ModelSpec) -> FamilyTraits:
-    """The traits of ``spec``'s family, from its config (``spec.config``) and its built shape:
-    norm style and count, parallel blocks, fused q/k/v, RoPE, q/k norms, dropout masks, sliding
-    window layers, soft-capping and DeepSeek-V2's latent attention widths."""
-    f, cfg = spec.family, spec.config
-    norm = {"gemma": "rms_fp32_mul", "gemma2": "rms_fp32_mul", "gemma3_text": "rms_fp32_mul",
-            "olmo2": "rms_fp32_mul", "cohere": "cohere"}.get(f, "layernorm" if spec.norm_kind == "layernorm" else "rms")
-    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "gptj": 1}.get(f, 2)
-    parallel = f in ("cohere", "gptj") or (f == "stablelm" and bool(cfg.get("use_parallel_residual")))
-    if f == "stablelm" and parallel:
-        norms = 1
-    qk_rows = 0
-    if f in ("qwen3", "qwen3_moe", "gemma3_text"):
-        qk_rows = spec.num_heads + spec.num_kv_heads
-    elif f == "olmo2":
-        qk_rows = 2
-    masks, embed_drop = 0, False
-    if f in ("gpt2", "gptj", "phi3"):
-        masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
-    elif f == "starcoder2":
-        masks, embed_drop = 2 * (_p(cfg, "residual_dropout") > 0), _p(cfg, "embedding_dropout") > 0
-    elif f == "gpt_neox":
-        masks = 2 * (_p(cfg, "hidden_dropout") > 0)
-    elif f == "stablelm":
-        masks = 1 * (_p(cfg, "hidden_dropout") > 0)
-    mla = None
-    if f == "deepseek_v2":
-        mla = MlaDims(qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-                      v_head_dim=cfg["v_head_dim"], kv_lora_rank=cfg["kv_lora_rank"],
-                      q_lora_rank=cfg.get("q_lora_rank", 1536) or 0)
-    return FamilyTraits(
-        norm=norm, norms_per_layer=norms, shared_norm=parallel,
-        fused_qkv=any(l.name in ("qkv_proj", "query_key_value", "c_attn") for l in spec.linears),
-        rope=f != "gpt2", rope_bytes=4 if f == "olmo2" else 0, rope_dim=_rope_dim(spec),
-        qk_norm_rows=qk_rows, dropout_masks_per_layer=masks, embedding_dropout=embed_drop,
-        sliding_window=int(cfg.get("sliding_window") or 0), sliding_layers=_sliding_layers(spec),
-        attn_softcapping=bool(cfg.get("attn_logit_softcapping")) and f == "gemma2",
-        final_logit_softcapping=bool(cfg.get("final_logit_softcapping")), mla=mla,
-    )
-
-
-def _sliding_layers(spec: ModelSpec) -> int:
-    """Layers with sliding-window attention, as transformers' config classes lay them out."""
-    cfg, L, f = spec.config, spec.num_layers, spec.family
-    if not cfg.get("sliding_window"):
-        return 0
-    if isinstance(cfg.get("layer_types"), list):
-        return sum(t == "sliding_attention" for t in cfg["layer_types"][:L])
-    if f == "gemma3_text":
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        return sum((i + 1) % pattern != 0 for i in range(L))
-    if f == "gemma2":
-        return sum(i % 2 == 0 for i in range(L))
-    if f in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
-        return 0 if not cfg.get("use_sliding_window") else L - min(L, int(cfg.get("max_window_layers") or L))
-    return L
-
-
-def _rope_dim(spec: ModelSpec) -> int | None:
-    """Width of the cos/sin tables where it is not the whole head (None)."""
-    cfg = spec.config
-    if spec.family == "gptj":
-        return int(cfg.get("rotary_dim") or spec.head_dim) // 2
-    if spec.family == "gpt_neox":
-        return int(spec.head_dim * float(cfg.get("rotary_pct", 1.0)))
-    if spec.family == "stablelm":
-        return int(spec.head_dim * float(cfg.get("partial_rotary_factor", 0.25)))
-    if spec.family == "deepseek_v2":
-        return int(cfg.get("qk_rope_head_dim") or spec.head_dim)
-    return None

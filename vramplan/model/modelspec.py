@@ -60,7 +60,7 @@ class MlaDims:
 @dataclass(frozen=True)
 class FamilyTraits:
     """What of a family's layer shape changes what autograd saves, read once from config.json by
-    ``vramplan.model.architecture.family_traits``; the estimator reads these, never the raw config. The
+    ``vramplan.model.traits.family_traits``; the estimator reads these, never the raw config. The
     defaults describe a plain pre-norm RMSNorm decoder with RoPE over whole heads."""
 
     norm: str = "rms"  # rms (llama), rms_fp32_mul (gemma, olmo2), layernorm, cohere
