@@ -57,6 +57,15 @@ from ..estimator.selective import checkpointed_count
 from ..estimator.tensor_parallel import link_bytes_per_micro_step as tp_link_bytes
 from ..specs import GpuSpec, ModelSpec, Setup
 from ..util.units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
+from .constants import (  # noqa: F401  (re-exported: vramplan.cost.model is the public API)
+    ADAPTER_16BIT_OVERRIDES,
+    CLASS_MIN_ROWS,
+    CONSTANT_ROWS,
+    CONSTANTS,
+    MFU,
+    MFU_CLASS,
+    SHARED_FIT_SOURCES,
+)
 from .counts import (  # noqa: F401  (re-exported: vramplan.cost.model is the public API)
     AWQ_DEQUANT_BYTES_PER_PARAM,
     DEQUANT_BYTES_PER_PARAM,
@@ -78,29 +87,6 @@ from .counts import (  # noqa: F401  (re-exported: vramplan.cost.model is the pu
 from .cp import cp_cost
 from .parallel import shard_group, tp_nodes
 
-#: The fitted constants (``python benchmarks/throughput_accuracy.py`` refits them; ``tests/test_cost.py``
-#: fails when the committed values drift from the refit). Fitted on the 19 comparable rows of
-#: ``calibration/throughput/records.jsonl`` -- one source (fms-acceleration ``refs/a100_80gb.csv``),
-#: one GPU (A100-80GB, 1-2 cards), three models (Mistral-7B, Mixtral-8x7B, Llama-2-70B), 4096 packed
-#: tokens, checkpointing, flash-attention 2. In-sample median predicted/measured 1.013 (0.84-1.13), 28/28 pairs;
-#: leave-one-out 1.021 (0.82-1.17), 27/28 pairs; see calibration/throughput/README.md.
-CONSTANTS: dict[str, float] = {
-    #: 1 / MFU of executed matmul FLOPs on an A100: MFU 0.637 (19 rows, all of them)
-    "inv_mfu:a100": 1.570,
-    #: element-passes of 2 B over sum(in + out + 2r) of the targeted Linears per token (15 LoRA/QLoRA rows)
-    "lora_passes": 62.44,
-    #: fp32 passes of L x hidden x 4 B per token after k-bit preparation (4 one-GPU QLoRA rows)
-    "kbit_passes": 225.9,
-    #: bandwidth cost of bitsandbytes' dequantization: 1 / the share of the bandwidth it reaches (9 QLoRA rows)
-    "dequant_inefficiency": 5.214,
-    #: sharded-parameter collectives: exposed seconds per second of ring traffic at interconnect_gbps (11 two-GPU rows)
-    "shard_comm_exposure": 2.859,
-}
-#: What each constant is fitted on (rows, sources), for the report.
-CONSTANT_ROWS = {"inv_mfu:a100": "19 rows, 1 source, A100-80GB", "lora_passes": "15 LoRA/QLoRA rows, 1 source",
-                 "kbit_passes": "4 one-GPU QLoRA rows, 1 source", "dequant_inefficiency": "9 QLoRA rows, 1 source",
-                 "shard_comm_exposure": "11 FSDP FULL_SHARD 2-GPU rows, 1 source"}
-
 #: Liger's kernels (``--liger``): the same matmul FLOPs (the fused cross-entropy runs the head's three
 #: matmuls chunk by chunk), fused elementwise kernels for RMSNorm, SwiGLU and RoPE. No speed-up is
 #: assumed: the one Liger publishes ("increase multi-GPU training throughput by 20%", linkedin/Liger-Kernel
@@ -110,13 +96,6 @@ CONSTANT_ROWS = {"inv_mfu:a100": "19 rows, 1 source, A100-80GB", "lora_passes": 
 #: and at equal speed the stack without the extra dependency wins.
 LIGER_THROUGHPUT = 1.0
 
-#: MFU of a GPU class no published row covers: the shipped guess (published HF runs report 35-50 %),
-#: deliberately below the A100 fit: unfitted cards (consumer cards throttle below their boost clock
-#: under sustained load; H100-class cards have twice the FLOPs per byte of bandwidth) are not assumed
-#: to reach what an A100 reached at 16k tokens per micro-batch. Absolute tokens/s on them is unvalidated.
-MFU = 0.40
-#: GPU name -> MFU class of :data:`CONSTANTS` (``inv_mfu:<class>``); other cards use :data:`MFU`.
-MFU_CLASS = {"a100-80gb": "a100", "a100-40gb": "a100", "a100-80gb-pcie": "a100"}
 #: Tokens per micro-batch at which the matmuls reach half their large-batch efficiency:
 #: ``efficiency = t / (t + BATCH_HALF_TOKENS)`` (GEMMs of a few hundred rows underfill the SMs).
 BATCH_HALF_TOKENS = 256

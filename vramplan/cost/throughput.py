@@ -28,8 +28,9 @@ RECORDS_PATH = Path(__file__).resolve().parents[2] / "calibration" / "throughput
 #: measured throughputs closer than this (relative) do not make a pair
 PAIR_MIN_GAP = 0.05
 
-#: ``predictor(model, setup, gpu, stack) -> (tokens/s per GPU, {term: seconds per optimizer step})``;
-#: ``stack`` is the record's library behaviour (:class:`vramplan.cost.model.Stack`, from its pinned versions)
+#: ``predictor(model, setup, gpu, stack, overrides=...) -> (tokens/s per GPU, {term: seconds per optimizer step})``;
+#: ``stack`` is the record's library behaviour (:class:`vramplan.cost.model.Stack`, from its pinned versions),
+#: ``overrides`` the constants the record's stack replaces (:func:`record_overrides`)
 Predictor = Callable[..., tuple[float, dict[str, float]]]
 
 
@@ -50,6 +51,10 @@ class ThroughputRow:
     def ratio(self) -> float:
         """predicted / measured"""
         return self.predicted_tokens_per_s / self.measured_tokens_per_s
+
+    @property
+    def gpu_class(self) -> str:
+        return gpu_class(self.gpu)
 
     @property
     def group(self) -> tuple[str, str, int]:
@@ -107,17 +112,37 @@ def record_stack(record: dict):
     return stack_of(record.get("software"))
 
 
+def sixteen_bit_adapters(record: dict) -> bool:
+    """The run's LoRA adapters ran in 16 bits (peft < 0.12; ``config.adapter_dtype``), not peft 0.12+'s fp32."""
+    return (record.get("config") or {}).get("adapter_dtype") == "bf16"
+
+
+def record_overrides(record: dict) -> dict[str, float]:
+    """The constants the record's stack replaces (:data:`vramplan.cost.constants.ADAPTER_16BIT_OVERRIDES`)."""
+    from .constants import ADAPTER_16BIT_OVERRIDES
+
+    return dict(ADAPTER_16BIT_OVERRIDES) if sixteen_bit_adapters(record) else {}
+
+
+def gpu_class(gpu: str) -> str:
+    """The GPU's class: its MFU class (:data:`vramplan.cost.constants.MFU_CLASS`), else the card itself."""
+    from .constants import MFU_CLASS
+
+    return MFU_CLASS.get(gpu, gpu)
+
+
 def record_gpu_model(record: dict) -> tuple[ModelSpec, GpuSpec]:
     from ..model.profiles import load_gpu, load_model
 
     return load_model(record["model"]), load_gpu(record["gpu"])
 
 
-def cost_model_predictor(model: ModelSpec, setup: Setup, gpu: GpuSpec, stack=None) -> tuple[float, dict[str, float]]:
+def cost_model_predictor(model: ModelSpec, setup: Setup, gpu: GpuSpec, stack=None,
+                         overrides=None) -> tuple[float, dict[str, float]]:
     """The shipped cost model: :func:`vramplan.cost.model.step_cost` on one node; tokens/s per GPU."""
-    from .model import STACK, step_cost
+    from .model import CONSTANTS, STACK, step_cost
 
-    c = step_cost(model, setup, gpu, 1, None, stack or STACK)
+    c = step_cost(model, setup, gpu, 1, None, stack or STACK, {**CONSTANTS, **(overrides or {})})
     return c.tokens_per_s / setup.gpus, c.terms()
 
 
@@ -128,7 +153,7 @@ def compare(records: Iterable[dict], predictor: Predictor | None = None) -> list
     for r in comparable(records):
         setup = record_setup(r)
         model, gpu = record_gpu_model(r)
-        predicted, terms = predictor(model, setup, gpu, record_stack(r))
+        predicted, terms = predictor(model, setup, gpu, record_stack(r), overrides=record_overrides(r))
         out.append(ThroughputRow(id=r["id"], model=r["model"], gpu=r["gpu"], gpus=setup.gpus, setup=setup,
                                  measured_tokens_per_s=float(r["tokens_per_s_per_gpu"]),
                                  predicted_tokens_per_s=float(predicted), terms_s=dict(terms)))
@@ -158,3 +183,81 @@ def summarize(rows: Sequence[ThroughputRow], min_gap: float = PAIR_MIN_GAP) -> T
     lo, hi = min(ratios), max(ratios)
     return ThroughputSummary(rows=len(rows), median_ratio=statistics.median(ratios), min_ratio=lo, max_ratio=hi,
                              spread=hi / lo, pairs=len(ps), pairs_ordered=sum(p.ordered for p in ps))
+
+
+#: The bar per GPU class (issue 30): held-out median predicted/measured in this band, on at least
+#: :data:`CLASS_BAR_MIN_ROWS` rows, on at least :data:`BAR_CLASSES` classes.
+RATIO_BAND = (0.85, 1.15)
+CLASS_BAR_MIN_ROWS = 2
+BAR_CLASSES = 3
+
+
+@dataclass(frozen=True)
+class ClassSummary:
+    """One GPU class: its rows in-sample and held out, and what its MFU is fitted on."""
+
+    gpu_class: str
+    gpus: tuple[str, ...]
+    in_sample: ThroughputSummary
+    #: each row predicted by constants fitted without it (:func:`vramplan.cost.fit.leave_one_out`)
+    held_out: ThroughputSummary
+    #: the class's MFU constant (``inv_mfu:<class>``), None where the class keeps the unfitted default
+    constant: str | None
+    mfu: float
+    #: ids of the rows the class's MFU was fitted on (stage 1: the shared rows of the class)
+    fitted_on: tuple[str, ...]
+    #: ids of the class's rows no constant was fitted on (out-of-sample checks)
+    checks: tuple[str, ...]
+
+    @property
+    def meets(self) -> bool:
+        lo, hi = RATIO_BAND
+        return self.held_out.rows >= CLASS_BAR_MIN_ROWS and lo <= self.held_out.median_ratio <= hi
+
+
+def by_class(rows: Sequence[ThroughputRow], held_out: Sequence[ThroughputRow], fit) -> list[ClassSummary]:
+    """Per GPU class (:func:`gpu_class`), most rows first: ``rows`` in-sample, ``held_out`` the same rows
+    left out one at a time, ``fit`` the :class:`vramplan.cost.fit.Fit` that says what was fitted on what."""
+    from .model import mfu
+
+    loo = {r.id: r for r in held_out}
+    classes: dict[str, list[ThroughputRow]] = {}
+    for r in rows:
+        classes.setdefault(r.gpu_class, []).append(r)
+    out = []
+    for cls, members in sorted(classes.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        key = f"inv_mfu:{cls}"
+        fitted = key in fit.fitted_on
+        ids = {r.id for r in members}
+        out.append(ClassSummary(
+            gpu_class=cls, gpus=tuple(sorted({r.gpu for r in members})), in_sample=summarize(members),
+            held_out=summarize([loo[r.id] for r in members]), constant=key if fitted else None,
+            mfu=mfu(_gpu(members[0].gpu), fit.constants),
+            fitted_on=tuple(i for i in fit.fitted_on.get(key, ()) if i in ids),
+            checks=tuple(r.id for r in members if fit.role.get(r.id) == "check")))
+    return out
+
+
+def _gpu(name: str) -> GpuSpec:
+    from ..model.profiles import load_gpu
+
+    return load_gpu(name)
+
+
+def bar_met(classes: Sequence[ClassSummary]) -> bool:
+    return sum(c.meets for c in classes) >= BAR_CLASSES
+
+
+def coverage(rows: Sequence[ThroughputRow], fit) -> dict[str, list[str]]:
+    """The shipped GPU profiles by what backs their tokens/s: ``measured`` (a comparable row on the card),
+    ``class_only`` (no row, but in a fitted MFU class), ``none`` (the unfitted default MFU)."""
+    from ..model.profiles import gpus
+    from .model import mfu_key
+
+    seen = {r.gpu for r in rows}
+    out: dict[str, list[str]] = {"measured": [], "class_only": [], "none": []}
+    for g in sorted(gpus(), key=lambda g: g.name):
+        key = mfu_key(g)
+        kind = "measured" if g.name in seen else ("class_only" if key and key in fit.fitted_on else "none")
+        out[kind].append(g.name)
+    return out
