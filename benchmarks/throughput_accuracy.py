@@ -78,7 +78,7 @@ def what_if() -> None:
     wide = replace(lora, lora_targets="all-linear")
     print(f"  LoRA r256 / r16 (all-linear)       {tps(replace(wide, lora_rank=256)) / tps(wide):5.3f}")
     print(f"  no checkpointing / checkpointing   {tps(replace(full, checkpointing=False)) / tps(full):5.3f} (full)")
-    t4 = cost.counts(mixtral, q, cost.Stack(moe_experts_linear=True)).dequant_bytes_per_pass
+    t4 = cost.counts(mixtral, q, cost.Stack(transformers="4.48.1")).dequant_bytes_per_pass
     t5 = cost.counts(mixtral, q).dequant_bytes_per_pass
     print(f"  Mixtral QLoRA dequantized per pass {t4 / 1e9:5.0f} GB (transformers 4.x experts as Linears; 5.x: "
           f"{t5 / 1e9:.0f} GB, 3-D experts stay unquantized); "
