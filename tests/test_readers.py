@@ -42,6 +42,18 @@ EXPECTED = {
     "accelerate/trl_fsdp1.yaml": ("accelerate", None, {"fsdp": "full_shard", "gpus": 8}),
     "accelerate/trl_multi_gpu.yaml": ("accelerate", None, {"gpus": 8}),
     "accelerate/trl_single_gpu.yaml": ("accelerate", None, {"gpus": 1}),
+    "peft/configs/fsdp_config_qlora.yaml": ("accelerate", None, {"offload_params": "cpu", "fsdp": "full_shard",
+                                                                "gpus": 2}),
+    # peft's own SFT example (issue 29): its ModelArguments flags (--use_peft_lora, --use_4bit_quantization,
+    # --lora_r 8, --use_flash_attn) under TRL's SFTTrainer, not full fine-tuning
+    "peft/run_peft_qlora_fsdp.sh": (
+        "trl",
+        "meta-llama/Llama-2-70b-hf",
+        {"offload_params": "cpu", "fsdp": "full_shard", "batch": 2, "grad_accum": 2, "checkpointing": True,
+         "optimizer": "adamw-fused", "seq": 2048, "padding_free": True, "loss": "trl", "attn": "flash",
+         "method": "qlora", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.1, "lora_targets": "all-linear",
+         "quant": "nf4", "double_quant": True, "precision": "bf16", "gpus": 2},
+    ),
     "hf/cbdetect-training_args.json": (
         "hf",
         "facebook/detr-resnet-50",
@@ -555,6 +567,7 @@ SHIPPED = {
     "google/gemma-2-2b": "gemma-2-2b",
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
+    "meta-llama/Llama-2-70b-hf": "llama-2-70b",
     "Qwen/Qwen2.5-0.5B": "qwen2-0.5b",
     "HuggingFaceTB/SmolLM2-1.7B": "smollm2-1.7b",
     "alignment-handbook/zephyr-7b-sft-qlora": "mistral-7b",
@@ -979,3 +992,25 @@ def test_known_fields_match_the_installed_parsers():
     if (transformers.__version__, trl.__version__) != (committed.TRANSFORMERS_VERSION, committed.TRL_VERSION):
         pytest.skip("the committed table is for other versions")
     assert path.read_text() == generated, "regenerate: VRAMPLAN_REGEN_FIELDS=1 pytest tests/test_readers.py -k known"
+
+
+def test_peft_sft_examples_flags_are_its_model_arguments(tmp_path):
+    """peft's examples/sft/train.py flags read as its utils.create_and_prepare_model uses them: without
+    --use_flash_attn the model runs eager attention, without a 4-bit storage dtype it loads in fp32 (--bf16:
+    autocast), the LoRA defaults are its own (r 64, the seven projections), --use_8bit_quantization alone loads
+    no 8-bit model (its branch sits inside the 4-bit one), and each assumption is said."""
+    script = tmp_path / "run_peft.sh"
+    script.write_text("python train.py --model_name_or_path meta-llama/Llama-3.2-1B --bf16 True "
+                      "--use_peft_lora True --use_8bit_quantization True --max_seq_length 1024 "
+                      "--per_device_train_batch_size 4 --gradient_checkpointing True\n")
+    read = read_config(script)
+    s = read.setup
+    assert (read.format, s.method, s.quant, s.lora_rank, s.attn) == ("trl", "lora", "none", 64, "eager")
+    assert s.precision == "bf16-mixed" and s.seq == 1024 and s.framework == "trl"
+    assert s.lora_targets == "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj"
+    why = {w.field: w.why for w in read.warnings}
+    assert "inside the 4-bit branch" in why["--use_8bit_quantization"] and "torch.float32" in why["dtype"]
+    plain = tmp_path / "run_plain.sh"  # a train.py without peft's flags: read as before (full fine-tuning)
+    plain.write_text("python train.py --model_name_or_path meta-llama/Llama-3.2-1B --bf16 True\n")
+    plain_read = read_config(plain)
+    assert plain_read.setup.method == "full" and not any(w.field == "dtype" for w in plain_read.warnings)

@@ -185,6 +185,10 @@ def read_command_file(path: Path, m: Mapped) -> tuple[str, dict]:
     except ValueError as exc:
         raise SpecError(f"{path}: cannot split the command line: {exc}") from None
     launcher, script, name = split_command(tokens)
+    from .peft_sft import is_peft_sft, translate
+
+    if is_peft_sft(name, script):  # peft's examples/sft/train.py: its own model flags, SFTTrainer underneath
+        script, name = translate(script, m), "trl sft"
     if name in TRL_OBJECTIVES:  # trl dpo|kto|grpo: DPOTrainer / KTOTrainer / GRPOTrainer (estimator/objectives.py)
         m.setup["objective"] = TRL_OBJECTIVES[name]
     data = args_fields(script, m, base=path)
