@@ -166,6 +166,16 @@ def load_model(name: str) -> ModelSpec:
             raise SpecError(f"no such file: {key}")
         return model_spec_from_config(_read_config(path), name=str(path), source=str(path))
     if key.count("/") == 1 and not key.startswith((".", "/")):
+        from .modelscope import fetch_config, use_modelscope
+
+        if use_modelscope():  # VRAMPLAN_HUB=modelscope: its file API, cached (model/modelscope.py)
+            cached = fetch_config(key)
+            try:
+                cfg = _read_config(cached)
+            except SpecError:
+                cached.unlink(missing_ok=True)  # not a config: never reused from the cache
+                raise
+            return model_spec_from_config(cfg, name=key, source=f"modelscope:{key}")
         cfg = _hub_config(key)
         return model_spec_from_config(cfg, name=key, source=f"hub:{key}")
     raise SpecError(f"unknown model {key!r}{_close(key, _all_names())}")
