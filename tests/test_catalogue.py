@@ -113,7 +113,7 @@ def test_variants_and_reuploads_resolve_offline(monkeypatch):
         assert (spec.name, spec.source) == (shown, f"profile:{config}"), name
         assert spec.params_total == load_model(config).params_total
         assert bool(resolve(name)[2]) == inferred, name
-    assert "bnb-4bit quantization is not read" in resolve("unsloth/llama-3-8b-bnb-4bit")[2]
+    assert "bnb-4bit quantization read from the name" in resolve("unsloth/llama-3-8b-bnb-4bit")[2]  # test_prequantized
     assert resolve("unsloth/no-such-model") is None and resolve("someone/Meta-Llama-3-8B") is None
     result = CliRunner().invoke(main, ["estimate", "unsloth/Meta-Llama-3.1-8B-Instruct", "--method", "lora", "--json"])
     assert result.exit_code == 0, result.output

@@ -11,7 +11,17 @@ from ..setup.wording import describe, params
 from ..specs import Setup, SpecError
 from ..util.units import gib
 from .from_config import config_options, is_config_file, setup_from_config
-from .options import calibration_options, corrections_for, gpu_options, print_json, setup_options, user_errors, warn
+from .options import (
+    calibration_options,
+    corrections_for,
+    given_fields,
+    gpu_options,
+    prequantized_knobs,
+    print_json,
+    setup_options,
+    user_errors,
+    warn,
+)
 
 
 @click.command()
@@ -44,6 +54,9 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
         model, setup = setup_from_config(model, config_format, model_override, setup, accelerate_file)
     elif model_override or accelerate_file:
         raise SpecError("--model and --accelerate-config go with a training config (MODEL is not one)")
+    else:  # a re-upload or pre-quantized upload: the note, and the quantization its name says unless given
+        given = {k: getattr(setup, k) for k in given_fields(["method", "quant", "quant_bits"])}
+        setup = setup.replace(**prequantized_knobs(model, given))
     gpu = resolve_gpu(gpu_name, gpu_memory)
     corrections = corrections_for(gpu, no_calibration, calibration_file)
     stack = stack_for(transformers_version)

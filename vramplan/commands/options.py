@@ -365,6 +365,26 @@ def given_fields(fields: Iterable[str]) -> list[str]:
     return [k for k in fields if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE]
 
 
+def prequantized_knobs(model: str, given: dict) -> dict:
+    """The knobs a pre-quantized upload's name implies (model/profiles.py ``prequantized``) that ``given`` (the
+    Setup fields the user set) does not set, after the inference note is printed; a setup that cannot train
+    such a checkpoint (full fine-tuning, another base quantization) is one error line."""
+    from ..model.profiles import model_note, prequantized
+
+    knobs = prequantized(model)
+    stored = f"{model} stores {knobs.get('quant')} weights"
+    if knobs and given.get("method") == "full":
+        raise SpecError(f"{stored}: transformers trains adapters on a quantized checkpoint, not its weights "
+                        f"(full fine-tuning refused); use --method {knobs['method']}, or the 16-bit base model")
+    if knobs and given.get("quant") not in (None, knobs["quant"]):
+        raise SpecError(f"{stored}: --quant {given['quant']} cannot load it; use --quant {knobs['quant']}, "
+                        "or the 16-bit base model")
+    note = model_note(model)  # (after the refusals: an error is the one line printed)
+    if note:
+        warn(note)
+    return {k: v for k, v in knobs.items() if k not in given}
+
+
 def warn_lora_unused(method: str | None, given: Collection[str]) -> None:
     """Warn about LoRA options given with --method full (they would be silently ignored)."""
     if method != "full":

@@ -26,6 +26,7 @@ from .options import (
     given_fields,
     gpu_options,
     knob_options,
+    prequantized_knobs,
     print_json,
     setting_option,
     user_errors,
@@ -236,6 +237,8 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
         raise SpecError("--format and --accelerate-config go with --from FILE")
     elif model is None:
         raise SpecError("plan needs MODEL (a model name, Hub id or config.json) or --from FILE (a training config)")
+    else:  # a re-upload or pre-quantized upload: the note, and the quantization its name says unless fixed
+        fixed = {**fixed, **prequantized_knobs(model, fixed)}
     ram_source = "given"
     if ram is None:  # this machine's RAM when it holds the card (vramplan.plan() never reads the machine)
         from ..search.planner import local_host_ram

@@ -71,8 +71,32 @@ def _variants() -> dict[str, tuple[str, str]]:
     return {v.lower(): (v, hf_id) for hf_id, e in catalogue()["models"].items() for v in e.get("variants", ())}
 
 
-#: suffixes of pre-quantized re-uploads (unsloth's bitsandbytes uploads, GPTQ/AWQ); the config is the base's
-_QUANT_SUFFIXES = ("-unsloth-bnb-4bit", "-bnb-4bit", "-bnb-8bit", "-4bit", "-8bit", "-gptq", "-awq", "-int4", "-int8")
+#: suffixes of pre-quantized uploads (unsloth's bitsandbytes uploads, GPTQ/AWQ, Qwen's -GPTQ-Int4/-Int8) -> the
+#: Setup knobs training on such a checkpoint takes (adapters on the quantized base; the config is the base's). A
+#: bitsandbytes upload stores NF4 with double quantization (unsloth's uploads' quantization_config).
+_QUANT_SUFFIXES: dict[str, dict] = {
+    "-unsloth-bnb-4bit": {"method": "qlora", "quant": "nf4"}, "-bnb-4bit": {"method": "qlora", "quant": "nf4"},
+    "-4bit": {"method": "qlora", "quant": "nf4"}, "-bnb-8bit": {"method": "lora", "quant": "int8"},
+    "-8bit": {"method": "lora", "quant": "int8"}, "-gptq-int4": {"method": "lora", "quant": "gptq", "quant_bits": 4},
+    "-gptq-int8": {"method": "lora", "quant": "gptq", "quant_bits": 8},
+    "-gptq": {"method": "lora", "quant": "gptq", "quant_bits": 4}, "-awq": {"method": "lora", "quant": "awq"},
+    "-int4": {"method": "lora", "quant": "gptq", "quant_bits": 4},
+    "-int8": {"method": "lora", "quant": "gptq", "quant_bits": 8}}
+
+
+def _quant_suffix(repo: str) -> str:
+    """The pre-quantized suffix ``repo`` (lowercase) ends with, or ""."""
+    return next((x for x in _QUANT_SUFFIXES if repo.endswith(x) and len(repo) > len(x)), "")
+
+
+def prequantized(name: str) -> dict:
+    """The Setup knobs a pre-quantized upload's name implies (``unsloth/llama-3-8b-bnb-4bit``: QLoRA on NF4;
+    ``Qwen/Qwen2.5-7B-Instruct-AWQ``: LoRA on AWQ 4-bit), for a name that resolves offline by inference; {}
+    otherwise (a shipped config, a file, a Hub id: their own quantization_config decides)."""
+    hit = resolve(name)
+    if hit is None or not hit[2]:
+        return {}
+    return dict(_QUANT_SUFFIXES.get(_quant_suffix(name.strip().lower().split("/")[-1]), {}))
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,20 +125,30 @@ def resolve(name: str) -> tuple[str, str, str] | None:
     if key.count("/") != 1:
         return None
     org, repo = key.split("/")
-    if org not in {r.lower() for r in catalogue().get("reuploaders", ())}:
+    suffix = _quant_suffix(repo)
+    stripped = repo[: len(repo) - len(suffix)]
+    if org in {r.lower() for r in catalogue().get("reuploaders", ())}:
+        target = _by_repo_name().get(stripped) or _aliases().get(stripped)
+    elif suffix:  # the publisher's own quantized upload (Qwen/Qwen2.5-7B-Instruct-AWQ): its org's base id
+        base = f"{org}/{stripped}"
+        target = _aliases().get(base) or _profile_files().get(base) or (_variants().get(base) or (None,))[0]
+    else:
         return None
-    stripped = repo
-    for suffix in _QUANT_SUFFIXES:
-        if stripped.endswith(suffix):
-            stripped = stripped[: -len(suffix)]
-            break
-    target = _by_repo_name().get(stripped) or _aliases().get(stripped)
     if target is None:
         return None
     hf_id = _variants()[target.lower()][1] if target.lower() in _variants() else target
-    quant = f"; its {repo[len(stripped) + 1:]} quantization is not read from the name" if stripped != repo else ""
-    note = f"{name.strip()} read as a re-upload of {target} (its config.json: {hf_id}){quant}"
+    knobs = _QUANT_SUFFIXES.get(suffix)
+    quant = (f"; its {repo[len(stripped) + 1:]} quantization read from the name: "
+             + ", ".join(f"{k} {v}" for k, v in knobs.items()) + " unless given") if knobs else ""
+    note = f"{name.strip()} read as {'a re-upload' if org != target.split('/')[0].lower() else 'an upload'} of " \
+           f"{target} (its config.json: {hf_id}){quant}"
     return name.strip(), hf_id, note
+
+
+def model_note(name: str) -> str:
+    """How ``name`` resolved when it resolved by inference (a re-upload, a pre-quantized upload); ""."""
+    hit = resolve(name) if name and name.strip() else None
+    return hit[2] if hit else ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,7 +186,7 @@ def load_model(name: str) -> ModelSpec:
     key = name.strip()
     hit = resolve(key)
     if hit is not None:
-        shown, hf_id, _note = hit
+        shown, hf_id, _note = hit  # (the commands print the note: model_note)
         file = _data() / "models" / (hf_id.replace("/", "--") + ".json")
         cfg = json.loads(file.read_text())
         return model_spec_from_config(cfg, name=shown, source=f"profile:{hf_id}")
