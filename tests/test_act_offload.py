@@ -271,3 +271,13 @@ def test_a_deep_models_backward_holds_two_layer_inputs(layers, seq):
     t, e = trace(spec, setup), estimate(spec, setup)
     assert t.phase == e.phase == "backward"
     assert abs(e.tensor_peak_bytes / t.tensor_peak_bytes - 1) < 0.005
+
+
+def test_with_trls_fused_head_the_host_holds_the_heads_input_not_log_probs(llama2):
+    """TRL's fused head keeps no N x V log-probabilities: what the manager copies for the loss is the head's
+    input (c * N * h), as SFTTrainer's real step with the manager shows (validate --knob activation_offload,
+    the trl-cpu host rows: -0.1 %)."""
+    hf = OFF.replace(method="lora")
+    trl = hf.replace(framework="trl", loss="trl")
+    N = hf.tokens
+    assert host_bytes(llama2, hf) - host_bytes(llama2, trl) == 4 * llama2.vocab_size * N - 2 * llama2.hidden_size * N

@@ -165,12 +165,15 @@ def top_layers_saving_bytes(model: ModelSpec, setup: Setup) -> int:
 def host_bytes(model: ModelSpec, setup: Setup) -> int:
     """Host RAM of the copies at the end of the forward (pinned): each saved storage of 1024 bytes
     or more outside the head, once: the embedding's indices (full fine-tuning), the layer inputs,
-    the final norm's saves, the fp32 log-probabilities and the labels."""
+    the final norm's saves, the fp32 log-probabilities (TRL's fused head: the head's input) and the labels."""
     if not setup.activation_offload:
         return 0
     N, V, L = setup.tokens, model.vocab_size, model.num_layers
     packs = [*_before_layers(model, setup), *([_layer_input(model, setup)] * L), *_final_norm(model, setup)]
-    return int(sum(packs) + _sized(4 * V * N) + _sized(8 * N))
+    # the loss's save: transformers' fp32 log-probabilities, or (TRL's fused head, --loss trl) the head's input
+    # its chunked log-prob function keeps (read off SFTTrainer's real step: validate --knob activation_offload)
+    loss = _sized(precision.compute_bytes(setup) * model.hidden_size * N) if setup.loss == "trl" else _sized(4 * V * N)
+    return int(sum(packs) + loss + _sized(8 * N))
 
 
 def components(model: ModelSpec, setup: Setup) -> tuple[Component, ...]:

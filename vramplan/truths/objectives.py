@@ -46,6 +46,8 @@ class ObjectiveTruth:
     #: the frozen base's bytes (parameters, buffers and bitsandbytes' quantization state) as the trainer
     #: holds them before the first step (0 where not measured)
     weights_bytes: int = 0
+    #: host RAM of activation offloading's copies at their peak (0 without offloading)
+    host_peak_bytes: int = 0
 
 
 def word_tokenizer(vocab: int, eos: int):
@@ -334,7 +336,8 @@ def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:
         peaks = _run(trainer, trainer.model, phases)
         if setup.activation_offload:  # the device's peaks: the host copies left out
             peaks = {k: v for k, v in counter.device_phase_peaks.items() if k in TRUTH_PHASES}
-    return dataclasses.replace(_result(peaks, model, t0), weights_bytes=weights)
+    host = counter.host_peak if setup.activation_offload else 0
+    return dataclasses.replace(_result(peaks, model, t0), weights_bytes=weights, host_peak_bytes=host)
 
 
 def frozen_bytes(model) -> int:

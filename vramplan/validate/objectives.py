@@ -135,4 +135,7 @@ def objective_rows(case) -> list[Row]:
         if ph in e.phase_peaks_bytes and ph != "optimizer":
             rows.append(Row(case.model, spec.family, case.setup, truth, e.phase_peaks_bytes[ph], ph, ph,
                             truth=case.truth, knob=case.knob, quantity=f"{ph}_peak_bytes"))
+    if getattr(t, "host_peak_bytes", 0):  # activation offloading's host copies
+        rows.append(Row(case.model, spec.family, case.setup, t.host_peak_bytes, e.host_bytes, "-", "-",
+                        truth=case.truth, knob=case.knob, quantity="host_bytes"))
     return rows
