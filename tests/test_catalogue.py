@@ -151,19 +151,27 @@ def test_a_misspelled_model_gets_did_you_mean(name, suggestion, monkeypatch):
     assert suggestion in lines[0]
 
 
-def test_estimating_catalogue_names_does_not_import_torch():
-    code = """
+def assert_estimates_without_torch(names, *args: str, then: str = "") -> None:
+    """In a fresh interpreter, ``estimate NAME ARGS`` for each of ``names`` (offline) succeeds and neither torch
+    nor transformers gets imported; ``then``: more CLI code run in the same interpreter first."""
+    code = f"""
         import sys
         from click.testing import CliRunner
         from vramplan.cli import main
-        for name in ("unsloth/llama-3-8b-bnb-4bit", "Qwen/Qwen3-235B-A22B", "google/gemma-3-270m-it"):
-            r = CliRunner().invoke(main, ["estimate", name, "--method", "lora"])
+        for name in {list(names)!r}:
+            r = CliRunner().invoke(main, ["estimate", name, *{list(args)!r}])
             assert r.exit_code == 0, r.output
-        r = CliRunner().invoke(main, ["models", "--json"])
-        assert r.exit_code == 0, r.output
+        {then}
         heavy = [m for m in ("torch", "transformers") if m in sys.modules]
         assert not heavy, heavy
     """
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_estimating_catalogue_names_does_not_import_torch():
+    assert_estimates_without_torch(("unsloth/llama-3-8b-bnb-4bit", "Qwen/Qwen3-235B-A22B", "google/gemma-3-270m-it"),
+                                   "--method", "lora",
+                                   then='r = CliRunner().invoke(main, ["models", "--json"]); '
+                                        'assert r.exit_code == 0, r.output')

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import importlib.resources as resources
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 from click.testing import CliRunner
@@ -85,19 +82,9 @@ def test_reuploads_of_new_models_resolve_by_inference():
 
 
 def test_new_model_types_estimate_without_torch():
-    code = f"""
-        import sys
-        from click.testing import CliRunner
-        from vramplan.cli import main
-        for name in {sorted(NEW_TYPES.values())!r}:
-            r = CliRunner().invoke(main, ["estimate", name, "--gpu", "rtx-4090", "--method", "qlora"])
-            assert r.exit_code == 0, r.output
-        heavy = [m for m in ("torch", "transformers") if m in sys.modules]
-        assert not heavy, heavy
-    """
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
+    from test_catalogue import assert_estimates_without_torch
+
+    assert_estimates_without_torch(sorted(NEW_TYPES.values()), "--gpu", "rtx-4090", "--method", "qlora")
 
 
 # ---------------------------------------------------------------------------------------------

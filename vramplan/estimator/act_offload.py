@@ -143,12 +143,12 @@ def backward_start_saving_bytes(model: ModelSpec, setup: Setup) -> int:
     the final norm's normalised tensor."""
     if not setup.activation_offload:
         return 0
-    L, N, h = model.num_layers, setup.tokens, model.hidden_size
+    N, h = setup.tokens, model.hidden_size
     norm = 0.0
     if setup.method == "full":
         norm = (_sized(precision.compute_bytes(setup) * h * N) if model.traits.norm == "rms"
                 else _sized(4 * h) + _sized(4 * h * N))
-    return int(max(L - _resident_inputs(setup) - ON_DEVICE_IN_BACKWARD, 0) * _layer_input(model, setup) + norm)
+    return int(top_layers_saving_bytes(model, setup) + norm)
 
 
 def top_layers_saving_bytes(model: ModelSpec, setup: Setup) -> int:

@@ -184,18 +184,24 @@ def _int8_inputs_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...
     the MLP's product; the attention output is SDPA's (eager: o_proj's contiguous copy)."""
     if setup.quant != "int8" or not mixed(setup):
         return 0.0
+    attn_out = autocast_bytes(setup) if attention_impl(model, setup) == "eager" else 0
+    return _distinct_linear_inputs(model, roles, stream=4, attn_out=attn_out, mlp_out=4)
+
+
+def _distinct_linear_inputs(model: ModelSpec, roles: tuple[str, ...] | None, *, stream: float, attn_out: float,
+                            mlp_out: float) -> float:
+    """Bytes per token and layer of each distinct input of the Linears of ``roles`` (None: all but the head):
+    a norm output once per role (the projections reading it share it), ``stream`` bytes an element; the
+    attention output ``attn_out`` and the MLP's product ``mlp_out`` bytes an element."""
     total, groups = 0.0, set()
     for l in model.linears:
-        if l.role not in roles or l.role == "head":
+        if l.role == "head" or (roles is not None and l.role not in roles):
             continue
         if l.name in OUTPUT_PROJECTIONS:
-            if l.role != "attn":
-                total += 4 * l.in_features * l.count
-            elif attention_impl(model, setup) == "eager":
-                total += autocast_bytes(setup) * l.in_features * l.count
+            total += (attn_out if l.role == "attn" else mlp_out) * l.in_features * l.count
         elif l.role not in groups:
             groups.add(l.role)
-            total += 4 * l.in_features * l.count
+            total += stream * l.in_features * l.count
     return total / model.num_layers
 
 
@@ -209,18 +215,8 @@ def int8_checkpoint_held_per_token(model: ModelSpec, setup: Setup) -> float:
     base keeps only the layer input.)"""
     if setup.quant != "int8" or not setup.checkpointing or setup.method == "full":
         return 0.0
-    c = compute_bytes(setup)
-    stream = 4 if mixed(setup) else c  # a norm's output, the MLP's product: the residual stream's dtype
-    total, groups = 0.0, set()
-    for l in model.linears:
-        if l.role == "head":
-            continue
-        if l.name in OUTPUT_PROJECTIONS:
-            total += (autocast_bytes(setup) if l.role == "attn" else stream) * l.in_features * l.count
-        elif l.role not in groups:
-            groups.add(l.role)
-            total += stream * l.in_features * l.count
-    return total / model.num_layers
+    stream = 4 if mixed(setup) else compute_bytes(setup)  # a norm's output, the MLP's product: the stream's dtype
+    return _distinct_linear_inputs(model, None, stream=stream, attn_out=autocast_bytes(setup), mlp_out=stream)
 
 
 #: Linears that read the attention output or the MLP's hidden activation (not a norm's output).

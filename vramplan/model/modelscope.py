@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from ..specs import SpecError
+from ..util.net import reachable
 
 __all__ = ["CONNECT_TIMEOUT_S", "MAX_CONFIG_BYTES", "READ_TIMEOUT_S", "cache_path", "endpoint", "fetch_config",
            "use_modelscope"]
@@ -51,19 +52,6 @@ def cache_path(repo_id: str) -> Path:
     return root / "modelscope" / repo_id.replace("/", "--") / "config.json"
 
 
-def _reachable(url: str) -> bool:
-    import socket
-    from urllib.parse import urlparse
-
-    parts = urlparse(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parts.hostname or "", port), timeout=CONNECT_TIMEOUT_S):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 def fetch_config(repo_id: str) -> Path:
     """The cached config.json of ``repo_id`` on ModelScope, fetched first when not cached."""
     from urllib.error import HTTPError, URLError
@@ -74,7 +62,7 @@ def fetch_config(repo_id: str) -> Path:
     if cached.is_file():
         return cached
     base = endpoint()
-    if not _reachable(base):
+    if not reachable(base, CONNECT_TIMEOUT_S):
         raise SpecError(f"{repo_id!r} is not shipped and ModelScope ({base}) cannot be reached (offline, nothing "
                         "cached); pass a local config.json instead")
     url = f"{base}/api/v1/models/{quote(repo_id, safe='/')}/repo?Revision=master&FilePath=config.json"

@@ -216,19 +216,13 @@ def load_model(name: str) -> ModelSpec:
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    """One short TCP connect to the Hub endpoint, so an offline machine fails in a second
-    instead of waiting out huggingface_hub's retries."""
-    import socket
-    from urllib.parse import urlparse
+    """One short TCP connect to the Hub endpoint (``HF_ENDPOINT``: a mirror), so an offline machine fails in a
+    second instead of waiting out huggingface_hub's retries."""
+    from ..util.net import reachable
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    return reachable(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout_s)
 
 
 def _hub_config(repo_id: str) -> dict:

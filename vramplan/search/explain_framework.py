@@ -94,8 +94,6 @@ def other_framework(run: Callable[..., Plan], user_fixed: dict[str, Any], chosen
     named = user_fixed.get("framework")
     if _resident(chosen) or named not in CANDIDATES or user_fixed.get("objective", "sft") != "sft":
         return chosen
-    if chosen.setup.gpus != 1:
-        return chosen
     if user_fixed.get("loss") == framework(named).default_loss:  # the named framework's own loss, not the user's
         user_fixed = {k: v for k, v in user_fixed.items() if k != "loss"}
     fits: list[Plan] = []
