@@ -52,6 +52,9 @@ Stand-ins, each what the accelerator branch does in its place, nothing else chan
    entered by the Trainer per batch), ``F.scaled_dot_product_attention`` is torch 2.13's own ring on
    the cp group with the stand-in per-block kernel of :func:`vramplan.truths.cp_truth.ring_sdpa`: torch's
    CP dispatcher takes CUDA's flash/efficient/cuDNN SDPA only, not CPU's.
+7. Leaving: the emitted script's closing ``dist.destroy_process_group()`` ends the rank (flush,
+   ``os._exit(0)``), as does the script's ``SystemExit(0)``: tearing gloo's groups down can abort a
+   rank whose work is done (exit -6), which is a CPU artefact, not the emitted script's.
 """
 
 from __future__ import annotations
@@ -282,10 +285,33 @@ def main(argv: list[str]) -> None:
     _report_after_training()
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
-    runpy.run_path(argv[0], run_name="__main__")
+    _end_at_group_exit()
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as done:  # the emitted script ends with ``raise SystemExit(main())``
+        if done.code not in (0, None):
+            raise
     from .ranks import exit_rank
 
     exit_rank()  # the script finished and the report is written: skip the teardown where gloo can abort
+
+
+def _end_at_group_exit() -> None:
+    """The emitted train.py's last act is ``dist.destroy_process_group()`` (then ``return 0``): the rank
+    ends there instead (:func:`vramplan.truths.ranks.exit_rank`), every collective of the script being
+    done. Destroying a gloo group whose worker threads (the device mesh's sub-groups, context
+    parallelism's ring) are still joinable aborts the process ("terminate called without an active
+    exception", exit -6) after the work is finished; NCCL on GPUs has no such teardown."""
+    import torch.distributed as dist
+
+    from .ranks import exit_rank
+
+    def destroy_process_group(group=None):
+        if group is not None:  # a sub-group the script drops: nothing to end
+            return None
+        exit_rank()
+
+    dist.destroy_process_group = destroy_process_group
 
 
 if __name__ == "__main__":
