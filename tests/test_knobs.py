@@ -69,6 +69,37 @@ def test_quantized_step_within_5_percent_of_a_real_cpu_run(llama, setup):
                                                                                est.phase_peaks_bytes)
 
 
+@pytest.mark.parametrize("setup", [Setup(method="lora", quant="int8", framework="axolotl", batch=2, seq=256),
+                                   Setup(method="qlora", lora_dropout=0.05, batch=2, seq=256),
+                                   Setup(method="lora", quant="int8", lora_dropout=0.05, batch=2, seq=256)],
+                         ids=["int8-16bit-stream", "qlora-dropout", "int8-dropout"])
+def test_int8_inputs_and_lora_dropout_within_5_percent_of_a_real_cpu_run(llama, setup):
+    """axolotl's LLM.int8 base (a 16-bit stream, fp32 adapters): MatMul8bitLt keeps each distinct 16-bit
+    input beside the adapters' fp32 casts; LoRA dropout keeps CUDA's 1-byte mask (cuda_kernels)."""
+    cfg, spec = llama
+    truth = run_step(cfg, setup)
+    est = estimate(spec, setup)
+    assert abs(est.tensor_peak_bytes / truth.tensor_peak_bytes - 1) <= 0.05, (truth.phase_peaks_bytes,
+                                                                               est.phase_peaks_bytes)
+
+
+def test_dropout_keeps_cudas_bool_mask():
+    """On CPU, ``F.dropout`` multiplies by a mask of the input's dtype and MulBackward keeps it; CUDA's fused
+    kernel keeps a bool mask. Inside cuda_kernels() the CPU truth runs the fused one."""
+    import torch.nn.functional as F
+
+    from vramplan.run.cuda_paths import cuda_kernels
+
+    x = torch.randn(4, 64, requires_grad=True)
+    assert type(F.dropout(x, 0.1, True).grad_fn).__name__ == "MulBackward0"
+    with cuda_kernels():
+        y = F.dropout(x, 0.1, True)
+        assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+        assert y.grad_fn._saved_result1.dtype == torch.bool
+        assert F.dropout(x, 0.1, False) is x  # eval: untouched
+    assert type(F.dropout(x, 0.1, True).grad_fn).__name__ == "MulBackward0"  # restored
+
+
 @pytest.mark.parametrize("optimizer", ["adamw-8bit", "paged-adamw-8bit", "lion", "adafactor", "sgd"])
 def test_optimizer_states_match_the_real_optimizer(llama, optimizer):
     """States after one real step (bitsandbytes' 8-bit blocks, fp32 states under 4096 elements and

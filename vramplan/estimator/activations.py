@@ -179,13 +179,23 @@ def _zero3_frozen_inputs_per_layer(model: ModelSpec, setup: Setup, roles: tuple[
 
 def _int8_inputs_per_layer(model: ModelSpec, setup: Setup, roles: tuple[str, ...]) -> float:
     """bitsandbytes' ``MatMul8bitLt`` keeps its input for backward (``ctx.tensors``, outside
-    autograd's saved tensors). Without autocast that input is what the LoRA adapter keeps too;
-    under autocast the adapter keeps a half copy, so the fp32 inputs add: each norm output once,
-    the MLP's product; the attention output is SDPA's (eager: o_proj's contiguous copy)."""
-    if setup.quant != "int8" or not mixed(setup):
+    autograd's saved tensors). Under autocast the adapter keeps a half copy, so the fp32 inputs add:
+    each norm output once, the MLP's product; the attention output is SDPA's (eager: o_proj's
+    contiguous copy). Without autocast that input is what the LoRA adapter keeps too when peft's
+    cast to the adapter dtype is a no-op (the fp32 stream of a k-bit-prepared base); on a 16-bit
+    stream under fp32 adapters (axolotl, LLaMA-Factory: no upcast) or with dropout, each adapter
+    keeps its own copy and the 16-bit inputs add the same way (read off the CPU truth: axolotl's
+    LLM.int8 LoRA step without checkpointing was -10.7 % without them)."""
+    if setup.quant != "int8":
         return 0.0
-    attn_out = autocast_bytes(setup) if attention_impl(model, setup) == "eager" else 0
-    return _distinct_linear_inputs(model, roles, stream=4, attn_out=attn_out, mlp_out=4)
+    if mixed(setup):
+        attn_out = autocast_bytes(setup) if attention_impl(model, setup) == "eager" else 0
+        return _distinct_linear_inputs(model, roles, stream=4, attn_out=attn_out, mlp_out=4)
+    c = compute_bytes(setup)
+    if not setup.adapters or (adapter_dtype_bytes(setup) == c and setup.lora_dropout == 0):
+        return 0.0
+    attn_out = c if attention_impl(model, setup) == "eager" else 0
+    return _distinct_linear_inputs(model, roles, stream=c, attn_out=attn_out, mlp_out=c)
 
 
 def _distinct_linear_inputs(model: ModelSpec, roles: tuple[str, ...] | None, *, stream: float, attn_out: float,

@@ -69,7 +69,8 @@ def _flash_real():
 @contextlib.contextmanager
 def cuda_kernels():
     """SDPA takes the stand-in of CUDA's flash / memory-efficient kernels (see the module
-    docstring); everything else runs the real code."""
+    docstring), dropout CUDA's fused kernel (a bool mask), LLM.int8 bitsandbytes' CUDA path;
+    everything else runs the real code."""
     import torch
     import torch.nn.functional as F
 
@@ -84,12 +85,24 @@ def cuda_kernels():
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                     scale=scale, enable_gqa=enable_gqa)
 
+    orig_dropout = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        # CUDA's fused dropout (ATen ``dropout``: ``is_fused_kernel_acceptable`` takes it on CUDA only)
+        # keeps a bool mask; CPU's multiplies by a mask of the input's dtype, which MulBackward keeps
+        # (4 bytes an element beside an fp32 LoRA input instead of 1): take the fused one here too
+        if training and 0 < p < 1 and not inplace and input.numel() > 0:
+            return torch.native_dropout(input, p, True)[0]
+        return orig_dropout(input, p, training, inplace)
+
     F.scaled_dot_product_attention = sdpa
+    F.dropout = dropout
     restore = int8_as_on_cuda()
     try:
         yield
     finally:
         F.scaled_dot_product_attention = orig
+        F.dropout = orig_dropout
         restore()
 
 

@@ -25,7 +25,11 @@ rope, rms_norm, swiglu/geglu and fused_linear_cross_entropy on, cross_entropy of
   ``grad_input`` and ``grad_weight`` and its backward returns them (mean reduction: unscaled).
 
 The stand-ins below are autograd Functions with the same outputs, saved tensors and
-allocations as the CUDA path, without computing anything (fake tensors carry no values).
+allocations as the CUDA path, without computing the kernels' values: on fake tensors nothing is
+computed; on real ones (the CPU truth on a bitsandbytes base, vramplan/truths/cpu_truth.py) the
+outputs are copies of an input (a norm passes its input through, the gated product its up
+projection), so every value stays finite and the quantized layers downstream see real-sized
+activations (LLM.int8's outlier columns depend on them), with no allocation the kernels lack.
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ def _functions():
         def forward(ctx, X, W, in_place):
             shape = X.shape
             X = X.contiguous().view(-1, shape[-1])
-            Y = torch.empty(X.shape, dtype=X.dtype, device=X.device)
-            rstd = torch.empty(X.shape[0], dtype=torch.float32, device=X.device)
+            Y = torch.empty(X.shape, dtype=X.dtype, device=X.device).copy_(X)  # finite values on real tensors
+            rstd = torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
             ctx.in_place, ctx.shape = in_place, shape
             ctx.save_for_backward(X, W, rstd)
             return Y.view(shape)
@@ -75,7 +79,7 @@ def _functions():
             dX = dY if ctx.in_place else torch.zeros_like(dY)
             dW = None
             if ctx.needs_input_grad[1]:
-                partial = torch.empty((SM_COUNT, X.shape[1]), dtype=torch.float32, device=W.device)
+                partial = torch.zeros((SM_COUNT, X.shape[1]), dtype=torch.float32, device=W.device)
                 dW = partial.sum(dim=0).to(W.dtype)
             return dX.view(ctx.shape), dW, None
 
@@ -85,7 +89,7 @@ def _functions():
         @staticmethod
         def forward(ctx, a, b):
             a, b = a.contiguous(), b.contiguous()
-            c = torch.empty_like(a)
+            c = torch.empty_like(a).copy_(b)
             ctx.save_for_backward(a, b)
             return c
 
@@ -176,9 +180,12 @@ class _Output:
 
 
 @contextlib.contextmanager
-def patch_liger(model):
+def patch_liger(model, fused_loss: bool = True):
     """Within the block, ``model`` (peft-wrapped or not) runs the stand-ins of the kernels
-    ``_apply_liger_kernel_to_instance`` applies to its model type (LIGER_TYPES)."""
+    ``_apply_liger_kernel_to_instance`` applies to its model type (LIGER_TYPES). ``fused_loss=False``:
+    the layer kernels only, the model's own forward and loss kept, as TRL 1.16's SFTTrainer applies
+    Liger (it sets ``liger_kernel_config["fused_linear_cross_entropy"] = False`` and raises when asked
+    for it: its own fused LM head replaces the model's forward, ``trl/trainer/sft_trainer.py``)."""
     import torch.nn.functional as F
 
     rmsnorm, gated, rope, flce = _functions()
@@ -211,7 +218,8 @@ def patch_liger(model):
 
     orig_rope = modeling.apply_rotary_pos_emb
     modeling.apply_rotary_pos_emb = rotary
-    bind(hf, forward)
+    if fused_loss:
+        bind(hf, forward)
     try:
         yield
     finally:

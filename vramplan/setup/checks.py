@@ -98,7 +98,8 @@ _FSDP2_UNRUN = ("loss", "liger", "dora", "modules_to_save", "activation_offload"
 
 
 def check_liger(model: ModelSpec, setup: Setup) -> None:
-    """Liger kernels are modelled for the model types of estimator/liger.py, on a 16/32-bit base."""
+    """Liger kernels are modelled for the model types of estimator/liger.py, on a 16/32-bit, NF4/FP4 or LLM.int8
+    base (docs/knobs.md: the real bitsandbytes step with the kernels' stand-ins)."""
     from ..estimator.liger import LIGER_FAMILIES, LIGER_OTHER_TYPES
 
     if model.family not in LIGER_FAMILIES:
@@ -106,8 +107,9 @@ def check_liger(model: ModelSpec, setup: Setup) -> None:
                if model.family in LIGER_OTHER_TYPES else "liger-kernel 0.8.5 has no kernels for it")
         raise SpecError(f"--liger on {model.name} (model_type {model.family}): {why}; modelled: "
                         f"{', '.join(LIGER_FAMILIES)}")
-    if setup.quant != "none":
-        raise SpecError("--liger on a quantized base is not modelled yet; use --quant none")
+    if setup.quant in ("gptq", "awq"):  # (bitsandbytes bases are verified: validate --knob liger)
+        raise SpecError(f"--liger on a {setup.quant.upper()} base is not modelled yet (no CPU truth runs its kernels); "
+                        "modelled on 16-bit, NF4/FP4 and LLM.int8 bases")
     if setup.tp > 1 or setup.cp > 1:  # LigerRMSNorm gathers a DTensor input in full (full_tensor)
         raise SpecError("--liger with tensor or context parallelism is not modelled yet; use --tp 1 --cp 1")
     if setup.objective != "sft":  # TRL's LigerFusedLinearDPOLoss / GRPO loss: other kernels

@@ -202,6 +202,10 @@ def run_step(config: dict, setup: Setup, steps: int = 2) -> CpuTruth:
         stack.enter_context(cuda_kernels())
         if setup.loss == "chunked":
             stack.enter_context(patch_chunked_loss(model))
+        if setup.liger:  # the tracer's stand-ins for Liger's Triton kernels (vramplan/run/liger.py)
+            from ..run.liger import patch_liger
+
+            stack.enter_context(patch_liger(model))
         stack.enter_context(counter)
         for _step in range(steps):
             counter.reset_peak()

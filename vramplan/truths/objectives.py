@@ -333,7 +333,12 @@ def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:
             trainer.maybe_activation_offload_context = offload_manager(model, counter, lambda t: t)
             counter.measuring = True
         weights = frozen_bytes(model)
-        peaks = _run(trainer, trainer.model, phases)
+        with contextlib.ExitStack() as stack:
+            if setup.liger:  # use_liger_kernel: the layer kernels' stand-ins, TRL's fused head kept (run/liger.py)
+                from ..run.liger import patch_liger
+
+                stack.enter_context(patch_liger(model, fused_loss=False))
+            peaks = _run(trainer, trainer.model, phases)
         if setup.activation_offload:  # the device's peaks: the host copies left out
             peaks = {k: v for k, v in counter.device_phase_peaks.items() if k in TRUTH_PHASES}
     host = counter.host_peak if setup.activation_offload else 0

@@ -63,6 +63,26 @@ LIGER_SETUPS = tuple(Setup(seq=1024, batch=4, liger=True, **kw) for kw in (
     {"precision": "bf16-mixed"}, {"method": "lora", "precision": "bf16-mixed"}))
 
 
+#: Liger on a quantized base, the real bitsandbytes step with the kernels' stand-ins (cpu-run: the HF recipe's
+#: upcast base through transformers' apply_liger_kernel, axolotl's unprepared one; trl-cpu: TRL's SFTTrainer,
+#: which applies the layer kernels and keeps its own fused head), 12 narrow layers: a 2-layer model exaggerates
+#: the top layer's backward beside the rest (the HF recipe's NF4 with checkpointing is +5.1 % there, LLM.int8
+#: -6.2 %, axolotl's NF4 with checkpointing +7.5 %; 12 layers: +2.8 %, -1.8 %, +4.0 %).
+LIGER_QUANT_SETUPS = tuple(Setup(seq=512, batch=2, liger=True, **kw) for kw in (
+    {"method": "qlora"}, {"method": "qlora", "checkpointing": True}, {"method": "lora", "quant": "int8"},
+    {"method": "qlora", "checkpointing": True, "framework": "axolotl"},
+    {"method": "lora", "quant": "int8", "framework": "axolotl"}))
+LIGER_TRL_SETUPS = tuple(Setup(seq=512, batch=2, liger=True, framework="trl", loss="trl", **kw) for kw in (
+    {"method": "qlora"}, {"method": "qlora", "checkpointing": True}, {"method": "lora", "quant": "int8"}))
+
+
+def liger_quant_cases() -> list:
+    """``validate --knob liger``'s rows on quantized bases: real bitsandbytes steps (see LIGER_QUANT_SETUPS)."""
+    return [*[Case("liger", DENSE[0], s, "cpu-run", shrink=dict(DEEP_SHRINK)) for s in LIGER_QUANT_SETUPS],
+            Case("liger", DENSE[1], LIGER_QUANT_SETUPS[1], "cpu-run", shrink=dict(DEEP_SHRINK)),
+            *[Case("liger", DENSE[0], s, "trl-cpu", shrink=dict(DEEP_SHRINK)) for s in LIGER_TRL_SETUPS]]
+
+
 #: Padding-free batches: one row of batch x seq tokens, positions restarting per sequence, flash varlen.
 PADDING_FREE_SETUPS = tuple(Setup(seq=1024, batch=4, attn="flash", padding_free=True, **kw) for kw in (
     {}, {"method": "lora"}, {"method": "lora", "checkpointing": True}, {"method": "lora", "liger": True}))
@@ -120,6 +140,12 @@ def matrix(quick: bool = False) -> list[Case]:
         # ctx.tensors); 12 narrow layers so that the per-layer term shows against the recomputed layer
         *[Case("quantization", m, Setup(method="lora", quant="int8", checkpointing=True, seq=1024, batch=2, **kw),
                "cpu-run", shrink=DEEP_SHRINK) for m in DENSE[:2] for kw in ({}, {"framework": "axolotl"})],
+        # without checkpointing on a 16-bit stream (axolotl: no upcast, fp32 adapters), MatMul8bitLt's inputs add
+        # to the adapters' casts; LoRA dropout (CUDA's fused dropout: a bool mask) on NF4 and LLM.int8
+        *[Case("quantization", DENSE[0], Setup(**{"method": "lora", "seq": 512, "batch": 2, **kw}), "cpu-run",
+               shrink=DEEP_SHRINK)
+          for kw in ({"quant": "int8", "framework": "axolotl"}, {"method": "qlora", "lora_dropout": 0.05},
+                     {"quant": "int8", "lora_dropout": 0.05})],
         *_trace_cases("optimizer", DENSE, [short.replace(optimizer=o) for o in ("adamw-fused", "sgd", "adafactor")]
                       + [short.replace(method="lora", optimizer="adafactor")]),
         *_cpu_cases("optimizer", DENSE, [short.replace(optimizer=o) for o in ("adamw-8bit", "paged-adamw-8bit", "lion")]
@@ -142,6 +168,7 @@ def matrix(quick: bool = False) -> list[Case]:
         *trl_loss_cases(False, Case, DENSE),
         *framework_cases(False, Case, DENSE),
         *_trace_cases("liger", DENSE, LIGER_SETUPS),
+        *liger_quant_cases(),
         *_trace_cases("padding_free", DENSE, PADDING_FREE_SETUPS),
         *objective_cases(False, Case, DENSE),
         *knob_cases(False, Case, DENSE),
