@@ -41,27 +41,52 @@ moments of estimator/step.py over the stage's layers (the loss and its gradients
 a layer's backward at the stage's top and bottom layers; the end of the backward) on top of what
 the other micro-batches in flight keep.
 
+Data parallelism beside the pipeline (``--gpus`` = ``pp x dp``, ``dp`` ranks per stage, each its own
+batch; :func:`data_parallel`), per stage, on top of the above:
+
+- FSDP2 (``--fsdp full_shard|shard_grad_op --fsdp-version 2``) as torchtitan runs it: torchtitan
+  shards each pipeline stage's model part with ``fully_shard`` (``models/llama3/infra/parallelize.py``
+  ``parallelize_llama`` -> ``apply_fsdp``; pipeline_parallel.py builds one part per stage) and, under
+  PP, does not reshard after forward (``reshard_after_forward_policy="default"``: ``not
+  pp_enabled``), so both reshard modes are the same here; DDP it runs only as 1-D parallelism
+  ("DDP has not supported > 1D parallelism"), and its current tree applies FSDP2 always
+  (``models/llama3/parallelize.py``, ``distributed/fsdp.py`` ``apply_fsdp_to_decoder``,
+  ``get_fsdp_reshard_after_forward_policy``, since the config-registry refactor 9810191). The
+  pipeline stage drives FSDP2 itself (stage.py ``backward_maybe_with_nosync``:
+  ``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)`` on every micro-batch;
+  ``perform_reduce_grad`` after the last backward): each rank keeps padded shards and the optimizer
+  over them, the stage all-gathered from the step's first forward to the reduce, the gradients
+  unsharded and accumulated as without FSDP, then reduce-scattered group by group
+  (:func:`_fsdp2_terms`).
+- DDP (no ``--fsdp``): torch's ``DistributedDataParallel`` around each stage, which stage.py drives
+  (``no_sync`` on every micro-batch but the last, whose backward the Reducer reduces): its flat
+  gradient buckets (``gradient_as_bucket_view=False``), one more copy of the stage's gradients
+  (estimator/fsdp.py ``ddp_bucket_bytes``), and nothing else; the note says torchtitan runs FSDP2.
+
 Refused (:func:`check_pp`, one line each): what the truth does not run yet (LoRA/QLoRA and quantized
-bases, ZeRO/FSDP/TP/CP beside PP, data parallelism beside it, tied embeddings (torch's pipelining
-has no shared-weight sync between the first and last stage), MoE, families other than the dense
-Llama-like ones, mixed precision, other optimizers, the fused losses and the other knobs), and the
-schedules not modelled yet (Setup). Torch-free.
+bases, ZeRO (DeepSpeed's PipelineEngine takes ZeRO-0/1 only; ZeRO-2/3 are refused by Setup), FSDP1,
+hybrid sharding, TP and CP beside PP, tied embeddings (torch's pipelining has no shared-weight sync
+between the first and last stage), MoE, families other than the dense Llama-like ones, mixed
+precision, other optimizers, the fused losses and the other knobs), and the schedules not modelled
+yet (Setup). Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..specs import Breakdown, Component, GpuSpec, ModelSpec, RankPeak, Setup, SpecError
 from . import activations as act
 from . import transients
+from .fsdp import ddp_bucket_bytes
 from .model_states import optimizer_state_bytes, optimizer_step_transient_bytes, weight_dtype_bytes, weights_bytes
-from .pipeline_check import PP_MODEL_TYPES, PP_OPTIMIZERS, check_pp
+from .pipeline_check import PP_MODEL_TYPES, PP_OPTIMIZERS, check_pp, data_parallel
 from .precision import compute_bytes
 
-__all__ = ["PP_MODEL_TYPES", "PP_OPTIMIZERS", "actions", "check_pp", "in_flight_peak", "rank_estimate", "stage_layers",
-           "stage_model", "stage_peaks", "stage_terms"]
+__all__ = ["PP_MODEL_TYPES", "PP_OPTIMIZERS", "actions", "check_pp", "data_parallel", "in_flight_peak", "rank_estimate",
+           "stage_groups", "stage_layers", "stage_model", "stage_peaks", "stage_terms"]
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
@@ -94,6 +119,13 @@ class StageTerms:
     forward_extra: int  # at the end of a micro-batch's forward, beyond ``held`` (the loss's fp32 copy)
     backward_moments: tuple[tuple[int, int], ...]  # (bytes over the others in flight, gradients present): first B
     backward_later: tuple[int, ...]  # the same moments once every gradient exists
+    # data parallelism beside the pipeline (gpus = pp x dp; ``weights``, ``optimizer_*`` are then
+    # what one rank of the stage holds: FSDP2's padded shards)
+    unsharded: int = 0  # FSDP2: the all-gather outputs, held from the step's first forward to the reduce
+    grad_after: int = 0  # the gradients the optimizer steps on (FSDP2: the reduce-scatter outputs)
+    reduce_moment: int = 0  # FSDP2: the reduce's peak beyond the resident bytes (perform_reduce_grad)
+    first_forward: int = 0  # FSDP2: the step's first forward's peak beyond them (the all-gathers)
+    dp_buckets: int = 0  # DDP: the Reducer's gradient buckets, kept for the whole run
 
 
 def stage_model(model: ModelSpec, setup: Setup, stage: int) -> ModelSpec:
@@ -185,13 +217,102 @@ def stage_terms(model: ModelSpec, setup: Setup, stage: int) -> StageTerms:
     head_temp = (held - 4 * V * N + logits + head_g,) if last else ()
     embed_temp = (rope + output + sent + embed_g,) if first else ()
     moments_later = tuple(int(b) for b, _ in moments_first) + tuple(int(b) for b in head_temp + embed_temp)
-    return StageTerms(
+    terms = StageTerms(
         stage=stage, layers=layers, weights=int(W), gradients=int(G),
         optimizer_states=optimizer_state_bytes(part, setup),
         optimizer_step=optimizer_step_transient_bytes(part, setup),
         buffers=n * hidden * ((not first) + (not last)), batch_ids=8 * n * N * (first + last), held=held,
         output=int(output), sent=int(sent), forward_extra=int(forward_extra),
-        backward_moments=tuple((int(b), int(g)) for b, g in moments_first), backward_later=moments_later)
+        backward_moments=tuple((int(b), int(g)) for b, g in moments_first), backward_later=moments_later,
+        grad_after=int(G))
+    kind = data_parallel(setup)
+    if kind == "ddp":  # torch's DistributedDataParallel: its buckets beside the stage's own states
+        return dataclasses.replace(terms, dp_buckets=ddp_bucket_bytes(int(G)))
+    if kind == "fsdp2":
+        # the activations of the first micro-batch at each group's all-gather (the step's first forward)
+        at_head = held - (4 * V + 8) * N if last else 0  # the head's forward: no fp32 log-probs yet
+        return dataclasses.replace(terms, **_fsdp2_terms(model, setup, stage, terms, int(per_layer), int(rope),
+                                                         int(at_head)))
+    return terms
+
+
+def stage_groups(model: ModelSpec, setup: Setup, stage: int) -> list[list[tuple[int, ...]]]:
+    """The parameter shapes of each ``fully_shard`` group of a stage, in the order FSDP2's root state
+    lists them (``FSDPState._lazy_init``: the root's modules in ``modules()`` order) and the reduce runs
+    them: torchtitan's groups (``apply_fsdp``): the embedding (first stage), each decoder layer (its
+    Linears, their biases, its norms; the post-attention norm last), the final norm with the head (last
+    stage); the root holds none. The dense untied models ``check_pp`` lets through."""
+    L, h = max(model.num_layers, 1), model.hidden_size
+    layer: list[tuple[int, ...]] = []
+    for l in model.linears:
+        if l.role != "head":
+            layer += [(l.out_features, l.in_features)] * (l.count // L) + [(l.out_features,)] * (l.count // L) * l.bias
+    for name, count in model.other_params:
+        if name == "qk_norms":
+            layer += [(model.head_dim,)] * (max(1, count // model.head_dim) // L)
+    for name, count in model.other_params:
+        if name == "norms":  # the final norm is the last stage's
+            layer += [(h,)] * ((count // h - 1) // L)
+    head = [(l.out_features, l.in_features) for l in model.linears if l.role == "head"]
+    n = len(stage_layers(model.num_layers, setup.pp, stage))
+    return ([[(model.vocab_size, h)]] if stage == 0 else []) + [layer] * n + ([[(h,), *head]]
+                                                                            if stage == setup.pp - 1 else [])
+
+
+def _padded(shape: tuple[int, ...], n: int) -> int:
+    """Elements of one rank's padded shard of a parameter: dim 0 chunked over ``n`` ranks, every rank
+    holding chunk 0's ``ceil(d0 / n)`` rows (torch 2.13 ``FSDPParam._init_sharded_param``; estimator/fsdp2.py)."""
+    return -(-shape[0] // n) * math.prod(shape[1:])
+
+
+def _fsdp2_terms(model: ModelSpec, setup: Setup, stage: int, t: StageTerms, per_layer: int, rope: int,
+                 at_head: int) -> dict:
+    """What FSDP2 over the stage's ``dp = gpus / pp`` ranks changes (torch 2.13 ``_fully_shard``, under
+    torch.distributed.pipelining's stage.py and torchtitan's ``reshard_after_forward=False`` under PP):
+
+    - each rank keeps the padded shard of every parameter (``FSDPParam._init_sharded_param``: dim 0
+      chunked, ``ceil(d0 / dp)`` rows) and the optimizer's states and step transient over those shards;
+    - the step's first forward all-gathers every group and nothing is resharded until the reduce
+      (``reshard_after_forward=False``; ``backward_maybe_with_nosync`` sets
+      ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` on every
+      micro-batch): the per-parameter all-gather outputs, ``dp x`` the padded shard, live from the
+      first forward to the reduce; the unsharded gradients accumulate in ``.grad`` as without FSDP;
+    - in that first forward each group's all-gather lands in one flat output (``foreach_all_gather``,
+      ``dp x`` the group's shards) copied out into the per-parameter outputs; the flat output is kept
+      for the next group's copy-out (``wait_for_unshard``: ``comm_ctx.all_gather_state``, whose
+      ``prev_all_gather_state`` local keeps the one before to its return), so at a group's copy-out
+      the groups gathered so far, its own and the previous flat output and the first micro-batch's
+      activations up to it are live; on the last stage the norm and head group's flat output is kept
+      through the head's forward (to the root's post-forward);
+    - ``perform_reduce_grad`` (``PipelineScheduleSingle``'s step, after the last backward) runs each
+      group's ``post_backward`` in turn: it drops the group's unsharded parameters (reshard), copies its
+      unsharded gradients into one flat reduce-scatter input of ``dp x`` its padded shard
+      (``foreach_reduce``), frees them but the last one (``foreach_reduce``'s loop variable
+      ``unsharded_grad`` keeps the group's last gradient to its return: the head's in the norm and head
+      group, the embedding's), and keeps the reduce output as the sharded gradients (the previous
+      group's input dropped first: ``reduce_scatter_max_input_buffers=1``). Its peak is at the group
+      where the later groups' parameters and gradients, its own input and the earlier groups' outputs
+      add up most (the embedding's on the first stage, reduced first)."""
+    dp = setup.gpus // setup.pp
+    wb = weight_dtype_bytes(setup)
+    groups = stage_groups(model, setup, stage)
+    shard = [wb * sum(_padded(s, dp) for s in g) for g in groups]
+    grads = [wb * sum(math.prod(s) for s in g) for g in groups]  # autograd's gradients: the unpadded shapes
+    gathered = [dp * x for x in shard]
+    last = [wb * math.prod(g[-1]) for g in groups]  # the group's last parameter's gradient (see above)
+    frac = sum(shard) / max(sum(grads), 1)
+    reduce = max(sum(gathered[k + 1:]) + sum(shard[:k]) + gathered[k] + max(
+        sum(grads[k:]), sum(grads[k + 1:]) + last[k] + shard[k]) for k in range(len(groups)))
+    n_embed, n_layers = int(stage == 0), len(stage_layers(model.num_layers, setup.pp, stage))
+    # the first micro-batch's activations when group k is gathered: the layers before it, RoPE's cos/sin
+    acts = [0 if k < n_embed else per_layer * min(k - n_embed, n_layers) + rope for k in range(len(groups))]
+    first = max(sum(gathered[:k + 1]) + (gathered[k - 1] if k else 0) + gathered[k] + acts[k]
+                for k in range(len(groups)))
+    if at_head:
+        first = max(first, sum(gathered) + gathered[-1] + at_head)
+    return {"weights": sum(shard), "unsharded": sum(gathered), "grad_after": sum(shard), "reduce_moment": reduce,
+            "first_forward": int(first),
+            "optimizer_states": int(t.optimizer_states * frac), "optimizer_step": int(t.optimizer_step * frac)}
 
 
 def actions(schedule: str, stages: int, stage: int, n: int) -> list[tuple[str, int]]:
@@ -222,8 +343,9 @@ def in_flight_peak(schedule: str, stages: int, stage: int, n: int) -> int:
 
 def stage_peaks(t: StageTerms, setup: Setup) -> tuple[dict[str, int], int]:
     """The stage's tensor peak per phase from replaying its actions, and the micro-batches in flight
-    at its peak moment."""
-    base = t.weights + t.optimizer_states + t.buffers + t.batch_ids
+    at its peak moment. FSDP2's reduce (after the last backward, inside the schedule's step) counts
+    to the backward."""
+    base = t.weights + t.optimizer_states + t.buffers + t.batch_ids + t.dp_buckets
     live = backs = 0
     peaks = {"forward": 0, "backward": 0}
     at_peak, best = 0, -1
@@ -233,21 +355,29 @@ def stage_peaks(t: StageTerms, setup: Setup) -> tuple[dict[str, int], int]:
         sent = t.sent * (backs if gpipe else min(backs, 1))
         grads = t.gradients if backs else 0
         if kind == "F":
-            moment = base + grads + live * t.held + t.held + t.forward_extra + sent
+            moment = base + t.unsharded + grads + live * t.held + t.held + t.forward_extra + sent
+            if not backs and not live:  # the step's first forward: FSDP2's all-gathers
+                moment = max(moment, base + t.first_forward)
             live += 1
         else:
             live -= 1
             others = live * t.held
             if backs:
-                moment = base + t.gradients + others + sent + max(t.backward_later)
+                moment = base + t.unsharded + t.gradients + others + sent + max(t.backward_later)
             else:
-                moment = base + others + max(b + g for b, g in t.backward_moments)
+                moment = base + t.unsharded + others + max(b + g for b, g in t.backward_moments)
             backs += 1
         phase = "forward" if kind == "F" else "backward"
         peaks[phase] = max(peaks[phase], int(moment))
         if moment > best:
             best, at_peak = moment, live + (1 if kind == "B" else 0)
-    peaks["optimizer"] = int(base + t.gradients + t.optimizer_step)
+    if t.reduce_moment:  # inside the schedule's step: the last forward's output is still its local
+        sent = t.sent * (backs if gpipe else min(backs, 1))
+        moment = base + sent + t.output + t.reduce_moment
+        peaks["backward"] = max(peaks["backward"], int(moment))
+        if moment > best:
+            best, at_peak = moment, 0
+    peaks["optimizer"] = int(base + t.grad_after + t.optimizer_step)
     return peaks, at_peak
 
 
@@ -260,7 +390,8 @@ def rank_estimate(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correctio
     notes = check(model, setup, gpu)
     if not stack.is_default:
         raise SpecError(f"--pp is modelled for transformers 5.24, not transformers {stack.transformers}")
-    one = estimate(model, dataclasses.replace(setup, pp=1, pp_schedule="1f1b", gpus=1), gpu, corrections, stack)
+    one = estimate(model, dataclasses.replace(setup, pp=1, pp_schedule="1f1b", gpus=1, fsdp="none", fsdp_version=1),
+                   gpu, corrections, stack)
     stages = []
     for r in range(setup.pp):
         t = stage_terms(model, setup, r)
@@ -273,13 +404,27 @@ def rank_estimate(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correctio
     fullest = max(range(len(per_rank)), key=lambda i: (per_rank[i].device_total_bytes, -i))
     t, peaks, phase, live, nums, overheads = stages[fullest]
     fb, all_phases = ("forward", "backward"), ("forward", "backward", "optimizer")
+    kind, dp = data_parallel(setup), setup.gpus // setup.pp
+    sharded = kind == "fsdp2"
     comps = [
-        Component("weights", t.weights, all_phases, note=f"stage {t.stage}'s layers {t.layers.start}-"
-                  f"{t.layers.stop - 1}" + (", the embedding" if t.stage == 0 else "")
+        Component("weights", t.weights, all_phases, note=("FSDP2's padded shard of " if sharded else "")
+                  + f"stage {t.stage}'s layers {t.layers.start}-{t.layers.stop - 1}"
+                  + (", the embedding" if t.stage == 0 else "")
                   + (", the final norm and head" if t.stage == setup.pp - 1 else "")),
-        Component("gradients", t.gradients, ("backward", "optimizer"), note="its own parameters', accumulated over "
-                  "the micro-batches"),
-        Component("optimizer_states", t.optimizer_states, all_phases, note=setup.optimizer),
+        Component("fsdp2_unsharded", t.unsharded, fb, note=f"the stage's parameters all-gathered over its {dp} ranks "
+                  "at the step's first forward and kept to the reduce (torchtitan: reshard_after_forward=False under "
+                  "PP; the pipeline stage sets set_reshard_after_backward(False))") if sharded else None,
+        Component("gradients", t.gradients, ("backward",) if sharded else ("backward", "optimizer"),
+                  note="its own parameters', accumulated over the micro-batches"
+                  + (" unsharded (set_requires_gradient_sync(False)), reduce-scattered after the last backward"
+                     if sharded else "")),
+        Component("grad_shards", t.grad_after, ("optimizer",), note="the reduce-scatter outputs the optimizer "
+                  "steps on") if sharded else None,
+        Component("ddp_buckets", t.dp_buckets, all_phases, note=f"DistributedDataParallel over the stage's {dp} "
+                  "replicas: the Reducer's flat gradient buckets (no_sync on all but the last micro-batch)")
+        if t.dp_buckets else None,
+        Component("optimizer_states", t.optimizer_states, all_phases, note=setup.optimizer
+                  + (" over the shards" if sharded else "")),
         Component("optimizer_step", t.optimizer_step, ("optimizer",), note="foreach step transient")
         if t.optimizer_step else None,
         Component("activations", t.held * live, fb, note=f"{live} micro-batch(es) in flight at the peak "
@@ -301,9 +446,13 @@ def rank_estimate(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correctio
     counts = " / ".join(str(len(x[0].layers)) for x in stages)
     flights = " / ".join(str(in_flight_peak(setup.pp_schedule, setup.pp, r, setup.grad_accum))
                          for r in range(setup.pp))
+    beside = {"none": "", "ddp": f"; beside it DDP over {dp} replicas of each stage (torch's "
+              "DistributedDataParallel; torchtitan runs FSDP2 beside PP instead: --fsdp full_shard --fsdp-version 2)",
+              "fsdp2": f"; beside it FSDP2 over {dp} ranks per stage as torchtitan runs it (parameters gathered once "
+              "per step, gradients reduce-scattered after the last micro-batch)"}[kind]
     note = (f"--pp {setup.pp} ({setup.pp_schedule}, {setup.grad_accum} micro-batches of {setup.batch} = "
             f"--grad-accum x --batch): decoder layers per stage {counts}, micro-batches in flight at most "
-            f"{flights}; the numbers are stage {t.stage}'s, the fullest (--json per_rank has every stage's)")
+            f"{flights}{beside}; the numbers are stage {t.stage}'s, the fullest (--json per_rank has every stage's)")
     return dataclasses.replace(
         one, setup=setup, components=tuple(comps), phase_peaks_bytes=peaks, phase=phase,
         tensor_peak_bytes=int(peaks[phase]), peak_allocated_bytes=int(nums[0]), peak_reserved_bytes=int(nums[1]),

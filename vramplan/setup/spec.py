@@ -399,8 +399,10 @@ def _check_pipeline(s: Setup) -> None:
         raise SpecError(f"pipeline parallelism with ZeRO-{s.zero_stage} does not run: DeepSpeed's pipeline engine "
                         "asserts \"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\" (deepspeed 0.19.8 "
                         "runtime/pipe/engine.py:76); instead run --pp with ZeRO-0/1 (DeepSpeed's pipeline engine; "
-                        f"vramplan models --pp {s.pp} --zero 0 with torch.distributed.pipelining, one stage per GPU), "
-                        f"or ZeRO-{s.zero_stage} alone over the {s.gpus} GPUs (--pp 1, no --tp)")
+                        f"vramplan models --pp {s.pp} --zero 0 with torch.distributed.pipelining), or shard each "
+                        "stage with FSDP2 as torchtitan does beside PP (--pp "
+                        f"{s.pp} --fsdp full_shard --fsdp-version 2, no --tp), or ZeRO-{s.zero_stage} alone over the "
+                        f"{s.gpus} GPUs (--pp 1, no --tp)")
     if s.pp_schedule not in PP_MODELLED_SCHEDULES:
         raise SpecError(f"pp_schedule {s.pp_schedule} (torch 2.13 torch.distributed.pipelining) is not modelled yet; "
                         f"modelled: {', '.join(PP_MODELLED_SCHEDULES)}")
