@@ -33,7 +33,12 @@ def test_every_required_family_has_a_recipe_and_a_profile():
     assert REQUIRED_FAMILIES <= shipped_types
 
 
-@pytest.mark.parametrize("hf_id", sorted(shipped_models()))
+#: families whose modeling code ships with the Hub repository (trust_remote_code): transformers has no class
+#: to build, tests/test_catalogue_models.py counts them against the Llama of their shapes
+REMOTE_CODE = ("internlm2", "baichuan", "minicpm")
+
+
+@pytest.mark.parametrize("hf_id", sorted(h for h in shipped_models() if load_model(h).model_type not in REMOTE_CODE))
 def test_parameter_count_is_exact(hf_id):
     spec = load_model(hf_id)
     model = meta_model(spec.config)
@@ -73,9 +78,8 @@ def test_moe_spec():
 
 def test_unknown_model_type_falls_back_to_meta_structure():
     # a family without a recipe: transformers builds it on the meta device
-    cfg = {"model_type": "falcon", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "vocab_size": 1000, "new_decoder_architecture": False, "multi_query": True}
-    spec = model_spec_from_config(cfg, name="tiny-falcon")
+    cfg = {"model_type": "mpt", "d_model": 256, "n_layers": 2, "n_heads": 4, "vocab_size": 1000}
+    spec = model_spec_from_config(cfg, name="tiny-mpt")
     assert spec.family == "generic"
     assert spec.params_total == sum(p.numel() for p in meta_model(cfg).parameters())
 
@@ -112,10 +116,10 @@ def test_unknown_model_type_without_transformers_names_the_extra():
         "from vramplan.model.architecture import model_spec_from_config\n"
         "from vramplan.specs import SpecError\n"
         "try:\n"
-        "    model_spec_from_config({'model_type': 'falcon', 'hidden_size': 64})\n"
+        "    model_spec_from_config({'model_type': 'mpt', 'hidden_size': 64})\n"
         "except SpecError as e:\n"
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "falcon" in out.stdout and "pip install 'vramplan[run]'" in out.stdout
+    assert "mpt" in out.stdout and "pip install 'vramplan[run]'" in out.stdout

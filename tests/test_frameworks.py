@@ -268,3 +268,21 @@ def test_every_consumer_question_plans_in_vram_when_a_framework_does(card):
     for model in _MODELS:
         for seq in _SEQS:
             _consumer_question(card, model, seq)
+
+
+@pytest.mark.parametrize("card, model", [("rtx-4060", "qwen2.5-7b"), ("rtx-4060", "llama-3.1-8b")])
+def test_an_8gb_card_plans_a_tight_run_in_vram_over_zero3_offload(card, model):
+    """A 7-8B model on an 8 GB card at 2048 tokens, as the CLI answers it (the card class's calibration): no
+    framework stays inside the margins, the HF recipe fits only with ZeRO-3 and CPU offload. The plan is the
+    in-VRAM QLoRA run, flagged tight, with the offloading recipe named in the framework note."""
+    runner = CliRunner()
+    out = runner.invoke(main, ["plan", model, "--gpu", card, "--json"])
+    assert out.exit_code == 0, out.output
+    d = json.loads(out.stdout)
+    s = d["setup"]
+    assert d["fits"] and "tight" in d["note_kinds"] and s["framework"] in ("trl", "unsloth")
+    assert s["zero_stage"] == 0 and s["offload_params"] == s["offload_optimizer"] == "none" and s["gpus"] == 1
+    note = d["notes"][d["note_kinds"].index("framework")]
+    assert "ZeRO-3" in note and "--framework hf" in note
+    hf = json.loads(runner.invoke(main, ["plan", model, "--gpu", card, "--framework", "hf", "--json"]).stdout)
+    assert hf["setup"]["zero_stage"] == 3 and hf["setup"]["offload_params"] == "cpu"

@@ -77,7 +77,8 @@ def test_setup_schema_lists_every_setup_field_and_choice(schemas):
     ["llama-3.1-70b", "--method", "qlora", "--checkpointing", "--gpus", "2", "--device-map", "auto", "--gpu",
      "rtx-3090"],
     ["llama-3.1-8b", "--gpus", "2", "--pp", "2", "--grad-accum", "2", "--gpu", "a100-80gb"],
-], ids=["full-fit", "qlora-no-gpu", "zero3-offload", "layer-split", "pipeline"])
+    ["mixtral-8x7b", "--gpus", "4", "--tp", "4", "--ep", "4", "--gpu", "h100-sxm"],
+], ids=["full-fit", "qlora-no-gpu", "zero3-offload", "layer-split", "pipeline", "expert-parallel"])
 def test_estimate_json(validate, schemas, args):
     data = cli_json("estimate", *args, "--json")
     validate("breakdown", data)
@@ -135,7 +136,9 @@ def test_check_json_and_written_baseline(validate, schemas, tmp_path):
 def test_models_and_gpus_json(validate, schemas):
     models = cli_json("models", "--json")
     validate("models", models)
-    assert len(models) > 10 and all(set(m) == set(schemas["models"]["items"]["properties"]) for m in models)
+    items = schemas["models"]["items"]
+    assert len(models) > 10 and all(set(items["required"]) <= set(m) <= set(items["properties"]) for m in models)
+    assert any("warning" in m for m in models)  # the optional field, where an estimate assumes something
     gpus = cli_json("gpus", "--json")
     validate("gpus", gpus)
     fields = {f.name for f in dataclasses.fields(S.GpuSpec)}

@@ -5,8 +5,8 @@
     bd.fits, bd.device_total_bytes
     plan("llama-3.1-8b", "rtx-4090", global_batch=16)   # the fastest setup that fits: a Plan
 
-Importing vramplan never imports torch: ``trace`` (the fake-tensor tier, which does) is loaded on
-first use.
+Importing vramplan never imports torch: ``trace`` (the fake-tensor tier, which does), ``estimate`` and
+``plan`` are loaded on first use.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ if (_os.path.basename(_sys.argv[0] if _sys.argv else "") in ("vramplan", "__main
         and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler):
     _signal.signal(_signal.SIGINT, _interrupted_at_startup)
 
-from .estimator import estimate  # noqa: E402
 from .model.profiles import load_gpu, load_model  # noqa: E402
-from .search import plan  # noqa: E402
 from .specs import Breakdown, GpuSpec, ModelSpec, Plan, Setup, SpecError  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .estimator import estimate
     from .run.tracer import trace
+    from .search import plan
 
 __version__ = "0.1.0"
 
@@ -54,11 +54,17 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "trace":
-        # Cache the function here: the next lookup finds it without this hook.
-        from .run.tracer import trace as fn
+#: the public functions loaded on first use: ``vramplan models`` and ``gpus`` never import the estimator or
+#: the search, and only ``trace`` imports torch
+_LAZY = {"estimate": ("estimator", "estimate"), "plan": ("search", "plan"), "trace": ("run.tracer", "trace")}
 
-        globals()["trace"] = fn
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        fn = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = fn  # cached: the next lookup finds it without this hook
         return fn
     raise AttributeError(f"module 'vramplan' has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """The ``vramplan`` command line: a click group of the commands in :mod:`vramplan.commands`.
 
 Import cost matters (``vramplan estimate`` should answer in well under 0.3 s): this module and
-the command modules import only click and vramplan's torch-free modules at the top; rich is
-imported by the printing functions and torch only inside ``vramplan trace`` (and the workers of
-``measure``/``validate``). ``tests/test_imports.py`` holds that line. The options the commands
+the command modules (each imported when its command runs) import only click and vramplan's torch-free
+modules at the top; rich is imported by the printing functions and torch only inside ``vramplan trace``
+(and the workers of ``measure``/``validate``). ``tests/test_imports.py`` holds that line. The options the commands
 share, and the one-line errors and warnings, are in :mod:`vramplan.commands.options`.
 """
 
@@ -15,18 +15,13 @@ import sys
 
 import click
 
-from .commands.check import check
-from .commands.doctor import doctor
-from .commands.emit import emit
-from .commands.estimate import estimate
-from .commands.gpus import gpus
-from .commands.measure import calibrate, measure, sweep
-from .commands.models import models
-from .commands.plan import plan
-from .commands.trace import trace
-from .commands.validate import validate
-
 __all__ = ["main"]
+
+#: command -> its module in vramplan.commands: each is imported when it runs (or ``--help`` lists them), so
+#: ``vramplan models`` or ``gpus`` never loads the estimator and the search
+_COMMANDS = {"estimate": "estimate", "trace": "trace", "models": "models", "gpus": "gpus", "check": "check",
+             "emit": "emit", "measure": "measure", "sweep": "measure", "calibrate": "measure", "plan": "plan",
+             "validate": "validate", "doctor": "doctor"}
 
 # Ctrl-C while the command modules import: vramplan/__init__.py installs a handler that prints one
 # line and exits 130 when run as the command; main() hands Ctrl-C back to KeyboardInterrupt.
@@ -44,7 +39,18 @@ def _stdout_is_devnull() -> bool:
 class _Vramplan(click.Group):
     """The group whose every outcome is one of the documented exits: 0 (done; also when stdout is
     closed early, as by ``| head``), 1 (a regression, from ``check``), 2 (bad input or usage, one
-    ``error:`` line), 130 (interrupted, one line)."""
+    ``error:`` line), 130 (interrupted, one line). Its commands load lazily (``_COMMANDS``)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*_COMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in _COMMANDS:
+            import importlib
+
+            module = importlib.import_module(f".commands.{_COMMANDS[cmd_name]}", __package__)
+            self.add_command(getattr(module, cmd_name))
+        return self.commands.get(cmd_name)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:  # a caller that handles click's exceptions itself
@@ -92,11 +98,6 @@ def main() -> None:
     MODEL is a shipped name or alias (`vramplan models`), a Hugging Face id, a config.json, or a
     directory holding one.
     """
-
-
-for _command in (estimate, trace, models, gpus, check, emit, measure, sweep, calibrate, plan, validate, doctor):
-    main.add_command(_command)
-del _command
 
 
 if __name__ == "__main__":  # pragma: no cover

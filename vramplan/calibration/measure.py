@@ -237,6 +237,10 @@ def check_measurable(setup) -> None:
     if setup.pp > 1:  # the emitted train.py runs no pipeline schedule (emit refuses it): estimate-only
         raise SpecError(f"--pp {setup.pp} cannot be measured yet: the emitted train.py runs no pipeline schedule; "
                         "`vramplan validate --knob pp` runs torch.distributed.pipelining on CPU ranks")
+    if setup.ep > 1:  # the emitted train.py loads no ep_size (emit refuses it): estimate-only
+        raise SpecError(f"--ep {setup.ep} cannot be measured yet: the emitted train.py does not load with "
+                        "DistributedConfig(ep_size); `vramplan validate --knob ep` runs transformers' ep_plan on "
+                        "CPU ranks")
 
 
 def prepare(plan: Plan, options: MeasureOptions, workdir: str | os.PathLike) -> dict:

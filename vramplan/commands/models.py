@@ -15,7 +15,7 @@ def catalogue_rows(search: str | None = None, family: str | None = None) -> list
     """One row per shipped config (profiles/models/), sorted by HF id, filtered by ``search`` (a case-insensitive
     substring of the id, an alias or a variant) and ``family`` (the config's model_type, or the start of the
     catalogue's family name, both compared without case, spaces or punctuation: ``gemma2`` matches "Gemma 2")."""
-    from ..model.profiles import catalogue, load_model, shipped_config_ids, shipped_models
+    from ..model.profiles import catalogue, shipped_config_ids, shipped_models, shipped_summary
 
     aliases = {k.lower(): v for k, v in shipped_models().items()}
     entries = catalogue()["models"]
@@ -25,16 +25,17 @@ def catalogue_rows(search: str | None = None, family: str | None = None) -> list
         names = [hf_id, *aliases.get(hf_id.lower(), ()), *entry.get("variants", ())]
         if search and not any(search.lower() in n.lower() for n in names):
             continue
-        spec = load_model(hf_id)
+        model_type, params_total = shipped_summary(hf_id)
         if family:
             want = _norm(family)
-            if want != _norm(spec.model_type) and not _norm(entry.get("family", "")).startswith(want):
+            if want != _norm(model_type) and not _norm(entry.get("family", "")).startswith(want):
                 continue
         rows.append({
-            "hf_id": hf_id, "aliases": list(aliases.get(hf_id.lower(), ())), "model_type": spec.model_type,
-            "family": entry.get("family", ""), "params_total": spec.params_total,
+            "hf_id": hf_id, "aliases": list(aliases.get(hf_id.lower(), ())), "model_type": model_type,
+            "family": entry.get("family", ""), "params_total": params_total,
             "stated_params": entry.get("stated_params", ""), "source": entry.get("source", {}),
             "verbatim": bool(entry.get("verbatim", False)), "variants": list(entry.get("variants", ())),
+            **({"warning": entry["warning"]} if entry.get("warning") else {}),
         })
     return rows
 
@@ -53,6 +54,7 @@ def models(search: str | None, family: str | None, as_json: bool) -> None:
         return
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console(highlight=False)
     if not rows:
@@ -62,8 +64,9 @@ def models(search: str | None, family: str | None, as_json: bool) -> None:
     table = Table(show_edge=False, pad_edge=False)
     for col, kw in (("HF id", {}), ("aliases", {}), ("model_type", {}), ("params (B)", {"justify": "right"})):
         table.add_column(col, **kw)
-    for r in rows:
-        table.add_row(r["hf_id"], ", ".join(r["aliases"]), r["model_type"], f"{r['params_total'] / 1e9:.2f}")
+    for r in rows:  # Text cells: the same output as plain strings without parsing each for markup
+        table.add_row(Text(r["hf_id"]), Text(", ".join(r["aliases"])), Text(r["model_type"]),
+                      Text(f"{r['params_total'] / 1e9:.2f}"))
     console.print(table)
     console.print(f"{len(rows)} models; -Instruct/-Chat/-it variants and re-uploads (NousResearch/*, unsloth/*, "
                   "LLM-Research/*) resolve to these configs: `--json` lists the variants")

@@ -277,6 +277,9 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "free memory]", show_default=False),
     SetupOption("tp", "--tp", Count("tp"), "Tensor-parallel degree (transformers tp_plan=auto; --gpus equal to it)."),
     SetupOption("cp", "--cp", Count("cp"), "Context-parallel degree (accelerate cp_size, with FSDP2 on --gpus)."),
+    SetupOption("ep", "--ep", Count("ep"),
+                "Expert-parallel degree of an MoE model's routed experts (transformers ep_size; with --tp and "
+                "--gpus equal to it)."),
     SetupOption("pp", "--pp", Count("pp"),
                 "Pipeline stages (torch.distributed.pipelining, one stage per GPU; --grad-accum micro-batches)."),
     SetupOption("pp_schedule", "--pp-schedule", click.Choice(PP_SCHEDULES),
@@ -369,7 +372,7 @@ def prequantized_knobs(model: str, given: dict) -> dict:
     """The knobs a pre-quantized upload's name implies (model/profiles.py ``prequantized``) that ``given`` (the
     Setup fields the user set) does not set, after the inference note is printed; a setup that cannot train
     such a checkpoint (full fine-tuning, another base quantization) is one error line."""
-    from ..model.profiles import model_note, prequantized
+    from ..model.profiles import model_note, model_warning, prequantized
 
     knobs = prequantized(model)
     stored = f"{model} stores {knobs.get('quant')} weights"
@@ -379,9 +382,9 @@ def prequantized_knobs(model: str, given: dict) -> dict:
     if knobs and given.get("quant") not in (None, knobs["quant"]):
         raise SpecError(f"{stored}: --quant {given['quant']} cannot load it; use --quant {knobs['quant']}, "
                         "or the 16-bit base model")
-    note = model_note(model)  # (after the refusals: an error is the one line printed)
-    if note:
-        warn(note)
+    for note in (model_note(model), model_warning(model)):  # (after the refusals: an error is the one line printed)
+        if note:
+            warn(note)
     return {k: v for k, v in knobs.items() if k not in given}
 
 

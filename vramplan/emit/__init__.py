@@ -94,6 +94,9 @@ def render(plan: Plan, formats: tuple[str, ...] | list[str] | None = None, *,
     if plan.setup.pp > 1:  # estimated (estimator/pipeline.py), not emitted: no writer runs a schedule yet
         raise SpecError(f"cannot emit a pipeline-parallel plan yet (--pp {plan.setup.pp}): no emitted config runs "
                         "torch.distributed.pipelining's schedules; the estimate is what vramplan gives for it")
+    if plan.setup.ep > 1:  # estimated (estimator/expert_parallel.py), not emitted: train.py loads no ep_size yet
+        raise SpecError(f"cannot emit an expert-parallel plan yet (--ep {plan.setup.ep}): the emitted train.py does "
+                        "not load with DistributedConfig(ep_size); the estimate is what vramplan gives for it")
     if "trainer" in formats and plan.setup.framework != "hf":
         from ..setup.frameworks import framework
 

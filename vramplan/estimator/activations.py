@@ -70,6 +70,10 @@ def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: in
     return c * w + 2 * c * rows
 
 
+#: Families whose eager attention softmaxes in the scores' dtype, not fp32 (transformers 5.24).
+SOFTMAX_IN_LOGITS_DTYPE = frozenset({"gpt_oss"})
+
+
 def attention_bytes(model: ModelSpec, setup: Setup) -> float:
     """Attention core per token (its input projection's input is counted with the linears)."""
     c, q, kv, a, s = compute_bytes(setup), model.q_dim, model.kv_dim, model.num_heads, setup.seq
@@ -79,6 +83,11 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
         return mla_attention_bytes(model, setup)
     if attention_impl(model, setup) != "eager":
         c = autocast_bytes(setup)  # SDPA under autocast receives (and keeps) half q, k, v
+    if attention_impl(model, setup) == "eager" and model.family in SOFTMAX_IN_LOGITS_DTYPE:
+        # gpt-oss (modeling_gpt_oss.py eager_attention_forward): the scores and a sink column softmaxed in
+        # their own dtype (softmax(..., dtype=combined_logits.dtype)), only that output kept (the scaling,
+        # mask and max-subtraction save nothing), the row maxima's int64 indices
+        return 4 * c * q + c * a * (s + 1) + 8 * a + (c * q if full else 0)
     if attention_impl(model, setup) == "eager":
         # q, k and v repeated to all heads, scores softmaxed in fp32 and cast back to c, the
         # output and o_proj's contiguous copy; Gemma2's soft-capping keeps tanh's output too
@@ -361,6 +370,21 @@ def checkpoint_note(setup: Setup) -> str:
             + (", each int8 Linear's input (MatMul8bitLt's ctx)" if setup.quant == "int8" else ""))
 
 
+def layers_inputs_per_token(model: ModelSpec, setup: Setup) -> float:
+    """What every decoder layer reads from outside and keeps until the backward has left the
+    bottom layer: RoPE's cos and sin (each layer's rotation saves them; checkpointing keeps them as
+    its layers' inputs) and, with checkpointing, the (b, 1, s, s) bool mask of a masked layer (a
+    sliding window past its length, a padded batch). Part of :func:`global_bytes_per_token`; unlike
+    the loss's saves, alive in the layers' backward too."""
+    t, c = model.traits, compute_bytes(setup)
+    total = 0.0
+    if t.rope:
+        total += 2 * (t.rope_bytes or (4 if mixed(setup) else c)) * model.rope_dim
+    if masked_layers(model, setup) and setup.checkpointing:
+        total += setup.seq
+    return total
+
+
 def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     """Saved outside the decoder layers: token ids, RoPE cos/sin, embedding dropout, final norm,
     head input, and the fp32 log-probabilities cross-entropy keeps (transformers'
@@ -371,15 +395,12 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     total = 8.0  # labels (int64) for nll_loss
     if full:
         total += 8 * (2 if model.family == "gpt2" else 1)  # ids for the embedding backward(s)
-    if t.rope:
-        # cos and sin, shared by every layer, in the residual stream's dtype (fp32 under autocast)
-        total += 2 * (t.rope_bytes or (4 if mixed(setup) else c)) * model.rope_dim
+    # cos and sin, shared by every layer, in the residual stream's dtype (fp32 under autocast); with
+    # checkpointing a masked layer's (b, 1, s, s) bool mask, an input every checkpointed layer keeps
+    # for its recompute (without checkpointing each layer keeps its own additive copy: attention_bytes)
+    total += layers_inputs_per_token(model, setup)
     if t.embedding_dropout and full:
         total += h
-    if masked_layers(model, setup) and setup.checkpointing:
-        # the (b, 1, s, s) bool mask, an input every checkpointed layer keeps for its recompute
-        # (without checkpointing each layer keeps its own additive copy: attention_bytes)
-        total += setup.seq
     total += norm_bytes(model, setup, trainable_weight=full)
     if full or (setup.zero_stage == 3 and setup.loss == "hf"):
         total += c * h  # lm_head input (ZeRO-3's F.linear keeps a frozen head's too)

@@ -75,7 +75,9 @@ def check_tp(model: ModelSpec, setup: Setup) -> None:
     tp = setup.tp
     if model.model_type not in TP_MODEL_TYPES or model.moe is not None:
         raise SpecError(f"--tp on {model.name} (model_type {model.model_type}): tensor parallelism is modelled for "
-                        f"the dense plans of {', '.join(TP_MODEL_TYPES)}")
+                        f"the dense plans of {', '.join(TP_MODEL_TYPES)}"
+                        + (f"; an MoE model's experts: add --ep {tp} (estimator/expert_parallel.py)"
+                           if model.moe is not None else ""))
     if model.num_heads % tp or model.num_kv_heads % tp:
         raise SpecError(f"--tp {tp} does not divide {model.name}'s {model.num_heads} attention heads and "
                         f"{model.num_kv_heads} KV heads (transformers shards whole heads)")
@@ -183,7 +185,6 @@ def _rank_breakdown(model: ModelSpec, setup: Setup, rank_index: int, gpu: GpuSpe
     (:func:`optimizer_groups`: the largest group's ``_foreach_sqrt``, not all parameters'), and
     NCCL's communicators beside the context."""
     from .corrections import device_overheads
-    from .model_states import trainable_params
     from .optimizers import trainable_tensors
 
     rank, one = rank_model(model, setup.tp, rank_index), rank_setup(setup)
@@ -216,6 +217,16 @@ def _rank_breakdown(model: ModelSpec, setup: Setup, rank_index: int, gpu: GpuSpe
                  if c.name in ("gradients", "tied_head_grad") else c for c in comps]
     notes = (f"--tp {setup.tp}: per GPU, transformers' tp_plan shards q/k/v/gate/up by columns, o/down by rows, "
              "the embedding and head by vocabulary; norms are replicated and the loss sees all N x V logits",) + b.notes
+    return rank_breakdown(b, model, setup, comps, notes, peaks, phase, (allocated, reserved, total))
+
+
+def rank_breakdown(b: Breakdown, model: ModelSpec, setup: Setup, comps, notes: tuple, peaks: dict, phase: str,
+                   headline: tuple) -> Breakdown:
+    """The rank model's Breakdown ``b`` as the whole model's on one rank: its components, notes, phase
+    peaks and (allocated, reserved, device total) ``headline``, the whole model's parameter counts."""
+    from .model_states import trainable_params
+
+    allocated, reserved, total = headline
     return dataclasses.replace(
         b, model=model.name, setup=setup, components=tuple(comps), notes=notes, phase_peaks_bytes=peaks, phase=phase,
         tensor_peak_bytes=int(peaks[phase]), peak_allocated_bytes=int(allocated), peak_reserved_bytes=int(reserved),

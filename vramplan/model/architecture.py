@@ -10,87 +10,18 @@ the structure of the model built on the meta device (needs the ``run`` extra).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from ..specs import SpecError
-from .modelspec import (
-    LinearSpec,
-    ModelSpec,
-    MoeSpec,
-    truncate_config,
-)
+from . import families  # noqa: F401  (registers the builders of model/families.py)
+from .builders import FAMILIES, gated_mlp, learned_positions, mha_and_mlp
+from .builders import Layers as _Layers
+from .builders import act as _act
+from .builders import family as _family
+from .builders import head as _head
+from .builders import req as _req
+from .builders import spec as _spec
+from .modelspec import ModelSpec, MoeSpec, truncate_config
 from .traits import family_traits
-
-_Builder = Callable[[dict, str, str], ModelSpec]
-FAMILIES: dict[str, _Builder] = {}
-
-
-def _family(*names: str):
-    def deco(fn: _Builder) -> _Builder:
-        for n in names:
-            FAMILIES[n] = fn
-        return fn
-
-    return deco
-
-
-def _req(cfg: dict, *keys: str) -> int:
-    for k in keys:
-        v = cfg.get(k)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise SpecError(f"config.json: {k} must be a positive integer; got {v!r}")
-            return int(v)
-    raise SpecError(f"config.json is missing {keys[0]!r} (model_type {cfg.get('model_type')!r})")
-
-
-def _act(cfg: dict, key: str = "hidden_act", default: str = "silu") -> str:
-    act = str(cfg.get(key) or default)
-    if act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_fast"):
-        return "gelu_tanh"
-    return act
-
-
-class _Layers:
-    """Collects Linear specs and other parameter counts while a family describes its layers."""
-
-    def __init__(self, prefix: str, num_layers: int) -> None:
-        self.prefix = prefix
-        self.L = num_layers
-        self.linears: list[LinearSpec] = []
-        self.other: dict[str, int] = {}
-
-    def linear(self, path: str, d_in: int, d_out: int, bias: bool, role: str, count: int | None = None,
-               top: bool = False) -> None:
-        full = path if top else f"{self.prefix}.*.{path}"
-        self.linears.append(LinearSpec(path.rsplit(".", 1)[-1], full, d_in, d_out, bool(bias),
-                                       self.L if count is None else count, role))
-
-    def add(self, name: str, n: int) -> None:
-        if n:
-            self.other[name] = self.other.get(name, 0) + n
-
-
-def _spec(cfg: dict, name: str, source: str, lay: _Layers, **kw) -> ModelSpec:
-    return ModelSpec(
-        name=name,
-        model_type=cfg["model_type"],
-        config=cfg,
-        linears=tuple(lay.linears),
-        other_params=tuple(lay.other.items()),
-        source=source,
-        **kw,
-    )
-
-
-def _head(cfg: dict, lay: _Layers, V: int, h: int, tie_default: bool, bias: bool = False) -> bool:
-    tie = bool(cfg.get("tie_word_embeddings", tie_default))
-    if not tie:
-        lay.linear("lm_head", h, V, bias, "head", count=1, top=True)
-    elif bias:  # a tied head keeps its own bias (Phi, GPT-J)
-        lay.add("lm_head_bias", V)
-    return tie
-
 
 # ----------------------------------------------------------------------------------------------
 # Llama-shaped decoders: embed, L x (attn + mlp + norms), final norm, head
@@ -99,7 +30,8 @@ def _head(cfg: dict, lay: _Layers, V: int, h: int, tie_default: bool, bias: bool
 @_family(
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "cohere",
     "stablelm", "starcoder2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
-    "glm", "glm4", "olmo",
+    "glm", "glm4", "olmo", "internlm3", "olmo3", "cohere2", "olmoe", "granitemoe", "phimoe", "ernie4_5",
+    "helium", "minicpm", "nemotron",
 )
 def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
     mt = cfg["model_type"]
@@ -115,7 +47,7 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
     norm_kind, norms_per_layer, act, mlp_kind = rms, 2, _act(cfg), "gated"
     qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
     mlp_bias = bool(cfg.get("mlp_bias", False))
-    tie_default = mt in ("gemma", "gemma2", "gemma3_text", "cohere", "starcoder2", "smollm3")
+    tie_default = mt in ("gemma", "gemma2", "gemma3_text", "cohere", "cohere2", "starcoder2", "smollm3")
     default_attn = "sdpa"
     qk_norm = 0  # parameters of q/k norms per layer
     moe = None
@@ -137,9 +69,19 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
         qk_norm = 2 * hd
     elif mt == "qwen2_moe":
         qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
-    elif mt == "olmo2":
+    elif mt in ("olmo2", "olmo3", "olmoe"):  # q_norm/k_norm over the whole projection, not per head
         qk_norm = a * hd + kvh * hd
-    elif mt == "cohere":
+    elif mt == "internlm3":  # InternLM3Config maps qkv_bias -> attention_bias, bias -> mlp_bias (Llama's modeling)
+        qkv_bias = o_bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", False)))
+        mlp_bias = bool(cfg.get("bias", cfg.get("mlp_bias", False)))
+    elif mt == "phimoe":  # LayerNorms with bias, attention_bias, a biased head (lm_head_bias)
+        norm_kind = ln
+    elif mt == "ernie4_5":  # use_bias: every projection
+        qkv_bias = o_bias = mlp_bias = bool(cfg.get("use_bias", False))
+    elif mt == "nemotron":  # LayerNorm1P (weight and bias), a non-gated relu2 MLP (up_proj, down_proj)
+        norm_kind, mlp_kind, act = ln, "plain", _act(cfg, default="relu2")
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+    elif mt in ("cohere", "cohere2"):
         norm_kind, norms_per_layer = ln_nobias, 1
         if cfg.get("use_qk_norm"):
             qk_norm = a * hd + kvh * hd
@@ -178,11 +120,12 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.add("qk_norms", qk_norm * L)
 
     # mlp (dense, MoE, or a mix)
-    if mt in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe"):
         E = _req(cfg, "num_local_experts", "num_experts")
         k = _req(cfg, "num_experts_per_tok")
-        ei = _req(cfg, "intermediate_size") if mt == "mixtral" else _req(cfg, "moe_intermediate_size")
-        if mt == "mixtral":
+        per_expert = mt in ("mixtral", "olmoe", "granitemoe", "phimoe")  # intermediate_size is one expert's
+        ei = _req(cfg, "intermediate_size") if per_expert else _req(cfg, "moe_intermediate_size")
+        if per_expert:
             moe_layers = list(range(L))
         else:
             step = int(cfg.get("decoder_sparse_step", 1) or 1)
@@ -191,7 +134,10 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
         nm, nd = len(moe_layers), L - len(moe_layers)
         shared_i = int(cfg.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
         lay.add("experts", nm * (E * 2 * ei * h + E * h * ei))
-        lay.add("router", nm * E * h)
+        if mt == "phimoe":  # PhimoeSparseMoeBlock's router is an nn.Linear (all-linear adapts it)
+            lay.linear("mlp.router", h, E, False, "router", nm)
+        else:
+            lay.add("router", nm * E * h)
         if shared_i:
             lay.linear("mlp.shared_expert.gate_proj", h, shared_i, False, "shared_expert", nm)
             lay.linear("mlp.shared_expert.up_proj", h, shared_i, False, "shared_expert", nm)
@@ -203,13 +149,15 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
             lay.linear("mlp.down_proj", i, h, False, "mlp", nd)
         moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
                       shared_expert_intermediate_size=shared_i, gated_shared_expert=bool(shared_i),
-                      norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "mixtral")), moe_layers=tuple(moe_layers))
+                      norm_topk_prob=bool(cfg.get("norm_topk_prob", mt in ("mixtral", "granitemoe", "phimoe"))),
+                      moe_layers=tuple(moe_layers))
     elif mt in ("phi3", "glm", "glm4"):
         lay.linear("mlp.gate_up_proj", h, 2 * _req(cfg, "intermediate_size"), False, "mlp")
         lay.linear("mlp.down_proj", i, h, False, "mlp")
     elif mlp_kind == "plain":
-        lay.linear("mlp.c_fc", h, _req(cfg, "intermediate_size"), mlp_bias, "mlp")
-        lay.linear("mlp.c_proj", i, h, mlp_bias, "mlp")
+        up, down = ("up_proj", "down_proj") if mt == "nemotron" else ("c_fc", "c_proj")
+        lay.linear(f"mlp.{up}", h, _req(cfg, "intermediate_size"), mlp_bias, "mlp")
+        lay.linear(f"mlp.{down}", i, h, mlp_bias, "mlp")
     else:
         i = _req(cfg, "intermediate_size")
         lay.linear("mlp.gate_proj", h, i, mlp_bias, "mlp")
@@ -221,17 +169,24 @@ def _llama_like(cfg: dict, name: str, source: str) -> ModelSpec:
         per_norm = 0
     lay.add("norms", (norms_per_layer * L + 1) * per_norm)
     lay.add("embed_tokens", V * h)
-    tie = _head(cfg, lay, V, h, tie_default)
+    tie = _head(cfg, lay, V, h, tie_default, bias=mt == "phimoe" and bool(cfg.get("lm_head_bias", False)))
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=kvh,
         head_dim=hd, intermediate_size=i, max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         tie_word_embeddings=tie, mlp_kind=mlp_kind, activation=act, norm_kind=norm_kind,
-        default_attn=default_attn, moe=moe, family=mt,
+        default_attn=default_attn, moe=moe, family=_RECIPE.get(mt, mt),
     )
 
 
-@_family("deepseek_v2")
+#: model types that run another family's activation recipe (``ModelSpec.family``): OLMoE's sparse block is
+#: Qwen3-MoE's (transformers' conversion maps it to the qwen2_moe pattern, so peft adapts its fused experts alike)
+_RECIPE = {"olmoe": "qwen3_moe"}
+
+
+@_family("deepseek_v2", "deepseek_v3")
 def _deepseek_v2(cfg: dict, name: str, source: str) -> ModelSpec:
+    """DeepSeek-V2 and V3 (V3's sigmoid router with its fp32 correction bias, a buffer, is the same tensors;
+    its config defaults norm_topk_prob to true)."""
     V, h, L = _req(cfg, "vocab_size"), _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers")
     a = _req(cfg, "num_attention_heads")
     kvh = int(cfg.get("num_key_value_heads") or a)
@@ -258,21 +213,18 @@ def _deepseek_v2(cfg: dict, name: str, source: str) -> ModelSpec:
     nm = L - nd
     shared = int(cfg.get("n_shared_experts") or 0) * ei
     if nd:
-        lay.linear("mlp.gate_proj", h, i, False, "mlp", nd)
-        lay.linear("mlp.up_proj", h, i, False, "mlp", nd)
-        lay.linear("mlp.down_proj", i, h, False, "mlp", nd)
+        gated_mlp(lay, "mlp", h, i, False, "mlp", nd)
     lay.add("experts", nm * E * 3 * ei * h)
     lay.add("router", nm * E * h)  # DeepseekV2TopkRouter keeps its weight in fp32
     fp32 = nm * E * h
     if shared and nm:
-        lay.linear("mlp.shared_experts.gate_proj", h, shared, False, "shared_expert", nm)
-        lay.linear("mlp.shared_experts.up_proj", h, shared, False, "shared_expert", nm)
-        lay.linear("mlp.shared_experts.down_proj", shared, h, False, "shared_expert", nm)
+        gated_mlp(lay, "mlp.shared_experts", h, shared, False, "shared_expert", nm)
     lay.add("norms", (2 * L + 1) * h)
     lay.add("embed_tokens", V * h)
     tie = _head(cfg, lay, V, h, False)
     moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
-                  shared_expert_intermediate_size=shared, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                  shared_expert_intermediate_size=shared,
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", cfg["model_type"] == "deepseek_v3")),
                   moe_layers=tuple(range(nd, L)))
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=kvh,
@@ -352,10 +304,7 @@ def _gpt2(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.linear("attn.c_proj", h, h, True, "attn")
     lay.linear("mlp.c_fc", h, i, True, "mlp")
     lay.linear("mlp.c_proj", i, h, True, "mlp")
-    lay.add("norms", (2 * L + 1) * 2 * h)
-    lay.add("embed_tokens", V * h)
-    lay.add("embed_positions", P * h)
-    tie = _head(cfg, lay, V, h, True)
+    tie = learned_positions(cfg, lay, V, h, P)
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=a,
         head_dim=h // a, intermediate_size=i, max_position_embeddings=P, tie_word_embeddings=tie,
@@ -370,11 +319,7 @@ def _gptj(cfg: dict, name: str, source: str) -> ModelSpec:
     a = _req(cfg, "n_head", "num_attention_heads")
     i = int(cfg.get("n_inner") or 4 * h)
     lay = _Layers("transformer.h", L)
-    for p in ("q_proj", "k_proj", "v_proj"):
-        lay.linear(f"attn.{p}", h, h, False, "attn")
-    lay.linear("attn.out_proj", h, h, False, "attn")
-    lay.linear("mlp.fc_in", h, i, True, "mlp")
-    lay.linear("mlp.fc_out", i, h, True, "mlp")
+    mha_and_mlp(lay, "attn", "out_proj", ("mlp.fc_in", "mlp.fc_out"), h, i, False, False, True)
     lay.add("norms", (L + 1) * 2 * h)
     lay.add("embed_tokens", V * h)
     tie = _head(cfg, lay, V, h, False, bias=True)

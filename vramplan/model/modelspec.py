@@ -134,12 +134,20 @@ class ModelSpec:
 
 
 def truncate_config(config: dict, num_layers: int) -> dict:
-    """Copy of an HF config dict with ``num_layers`` decoder layers, per-layer lists cut to match."""
+    """Copy of an HF config dict with ``num_layers`` decoder layers, per-layer lists cut to match (an
+    image-text config's text tower: ``text_config``)."""
     cfg = dict(config)
-    key = "n_layer" if "n_layer" in cfg and "num_hidden_layers" not in cfg else "num_hidden_layers"
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"] = truncate_config(cfg["text_config"], num_layers)
+        return cfg
+    key = next((k for k in ("n_layer", "num_layers") if k in cfg and "num_hidden_layers" not in cfg),
+               "num_hidden_layers")
     cfg[key] = num_layers
     if isinstance(cfg.get("layer_types"), list) and len(cfg["layer_types"]) != num_layers:
         cfg["layer_types"] = list(cfg["layer_types"][:num_layers])
+    if isinstance(cfg.get("attention_layers"), list):  # GPT-Neo: global/local per layer, and its run-length form
+        cfg["attention_layers"] = (cfg["attention_layers"] * num_layers)[:num_layers]
+        cfg["attention_types"] = [[cfg["attention_layers"], 1]]
     if isinstance(cfg.get("mlp_only_layers"), list):
         cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
     return cfg
@@ -150,7 +158,21 @@ def shrink_config(config: dict, *, layers: int = 2, hidden: int = 256, heads: in
     """A narrow copy of an HF config of the same family: ``layers`` layers, hidden ``hidden``,
     ``heads`` heads (the key/value heads keep their ratio), the MLP keeps its width ratio, MoE
     keeps ``experts`` experts (top-k capped at half of them). Narrow enough for a CPU step in a
-    second, wide enough that every tensor a knob adds is a visible share of the peak."""
+    second, wide enough that every tensor a knob adds is a visible share of the peak. An image-text
+    config: its text tower so, its vision tower to one narrow layer."""
+    if isinstance(config.get("text_config"), dict):
+        from .textconfig import text_config
+
+        cfg = dict(config)
+        text = {k: v for k, v in text_config(config).items() if k != "model_type"}
+        text = shrink_config(dict(text, model_type="text"), layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+                             experts=experts)
+        text["model_type"] = (config["text_config"] or {}).get("model_type", text_config(config)["model_type"])
+        cfg["text_config"] = text
+        vision = dict(cfg.get("vision_config") or {})
+        vision.update(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
+        cfg["vision_config"] = vision
+        return cfg
     cfg = truncate_config(config, layers)
     gpt2 = "n_embd" in cfg
     h_key, a_key = ("n_embd", "n_head") if gpt2 else ("hidden_size", "num_attention_heads")

@@ -151,6 +151,13 @@ def model_note(name: str) -> str:
     return hit[2] if hit else ""
 
 
+def model_warning(name: str) -> str:
+    """What the estimate of a shipped model leaves out or assumes, from its catalogue entry's ``warning``
+    (gpt-oss's MXFP4 experts, Gemma 3's vision tower, remote-code families); "" for anything else."""
+    hit = resolve(name) if name and name.strip() else None
+    return catalogue()["models"].get(hit[1], {}).get("warning", "") if hit else ""
+
+
 @functools.lru_cache(maxsize=1)
 def _all_names() -> dict[str, str]:
     """Every name that resolves offline, lowercase -> as spelled: aliases, HF ids, configs in models/, variants."""
@@ -213,6 +220,19 @@ def load_model(name: str) -> ModelSpec:
         cfg = _hub_config(key)
         return model_spec_from_config(cfg, name=key, source=f"hub:{key}")
     raise SpecError(f"unknown model {key!r}{_close(key, _all_names())}")
+
+
+def shipped_summary(hf_id: str) -> tuple[str, int]:
+    """``(model_type, exact parameter count)`` of the shipped config ``hf_id`` (an id of
+    :func:`shipped_config_ids`), for ``vramplan models``: its family's builder alone, without the traits
+    and the input checks a config from elsewhere goes through (tests/test_catalogue_models.py estimates
+    every shipped config through :func:`load_model`, whose count this equals)."""
+    from .architecture import FAMILIES
+
+    cfg = json.loads((_data() / "models" / (hf_id.replace("/", "--") + ".json")).read_text())
+    builder = FAMILIES.get(cfg["model_type"])
+    spec = builder(cfg, hf_id, f"profile:{hf_id}") if builder else load_model(hf_id)
+    return spec.model_type, spec.params_total
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:

@@ -4,6 +4,12 @@
 from __future__ import annotations
 
 from .modelspec import FamilyTraits, MlaDims, ModelSpec
+from .textconfig import falcon_norms, text_config
+
+#: the names of a Linear that computes q, k and v in one projection
+_FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "wqkv", "W_pack")
+#: families with learned positions instead of RoPE
+_NO_ROPE = ("gpt2", "gpt_bigcode", "opt", "gpt_neo")
 
 
 def _p(cfg: dict, *keys: str) -> float:
@@ -14,21 +20,34 @@ def family_traits(spec: ModelSpec) -> FamilyTraits:
     """The traits of ``spec``'s family, from its config (``spec.config``) and its built shape:
     norm style and count, parallel blocks, fused q/k/v, RoPE, q/k norms, dropout masks, sliding
     window layers, soft-capping and DeepSeek-V2's latent attention widths."""
-    f, cfg = spec.family, spec.config
+    f, cfg = spec.family, text_config(spec.config)
     norm = {"gemma": "rms_fp32_mul", "gemma2": "rms_fp32_mul", "gemma3_text": "rms_fp32_mul",
-            "olmo2": "rms_fp32_mul", "cohere": "cohere"}.get(f, "layernorm" if spec.norm_kind == "layernorm" else "rms")
-    norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4, "cohere": 1, "gptj": 1, "phi": 1}.get(f, 2)
-    parallel = f in ("cohere", "gptj", "phi") or (f == "stablelm" and bool(cfg.get("use_parallel_residual")))
+            "olmo2": "rms_fp32_mul", "olmo3": "rms_fp32_mul", "cohere": "cohere", "cohere2": "cohere",
+            }.get(f, "layernorm" if spec.norm_kind == "layernorm" else "rms")
+    norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4, "cohere": 1, "cohere2": 1, "gptj": 1, "phi": 1}.get(f, 2)
+    parallel = f in ("cohere", "cohere2", "gptj", "phi") or (f == "stablelm" and bool(cfg.get("use_parallel_residual")))
     if f == "stablelm" and parallel:
         norms = 1
+    if f == "falcon":  # one LayerNorm feeding both branches (falcon-7b), or ln_attn and ln_mlp (falcon-40b/180B)
+        norms = falcon_norms(cfg)
+        parallel = norms == 1
     qk_rows = 0
-    if f in ("qwen3", "qwen3_moe", "gemma3_text"):
+    if spec.model_type in ("glm4_moe", "ernie4_5_moe"):  # per-head q/k norms where GLM's use_qk_norm says so
+        qk_rows = (spec.num_heads + spec.num_kv_heads) * bool(cfg.get("use_qk_norm"))
+    elif f in ("qwen3", "qwen3_moe", "gemma3_text") and spec.model_type != "olmoe":
         qk_rows = spec.num_heads + spec.num_kv_heads
-    elif f == "olmo2":
+    elif f in ("olmo2", "olmo3") or spec.model_type == "olmoe":  # one norm over the whole q (and k) projection
         qk_rows = 2
     masks, embed_drop = 0, False
-    if f in ("gpt2", "gptj", "phi3", "phi"):
+    if f in ("gpt2", "gptj", "phi3", "phi", "gpt_bigcode"):
         masks, embed_drop = 2 * (_p(cfg, "resid_pdrop") > 0), _p(cfg, "embd_pdrop") > 0
+    elif f == "gpt_neo":
+        masks, embed_drop = 2 * (_p(cfg, "resid_dropout") > 0), _p(cfg, "embed_dropout") > 0
+    elif f == "opt":  # after the attention and after fc2
+        masks = 2 * (_p(cfg, "dropout") > 0)
+    elif f == "falcon":  # dropout_add at the block's end (hidden_dropout), and after a sequential attention
+        sequential = not cfg.get("parallel_attn", True)
+        masks = (_p(cfg, "hidden_dropout") > 0) + (sequential and _p(cfg, "attention_dropout") > 0)
     elif f == "starcoder2":
         masks, embed_drop = 2 * (_p(cfg, "residual_dropout") > 0), _p(cfg, "embedding_dropout") > 0
     elif f == "gpt_neox":
@@ -42,8 +61,8 @@ def family_traits(spec: ModelSpec) -> FamilyTraits:
                       q_lora_rank=cfg.get("q_lora_rank", 1536) or 0)
     return FamilyTraits(
         norm=norm, norms_per_layer=norms, shared_norm=parallel,
-        fused_qkv=any(l.name in ("qkv_proj", "query_key_value", "c_attn") for l in spec.linears),
-        rope=f != "gpt2", rope_bytes=4 if f == "olmo2" else 0, rope_dim=_rope_dim(spec),
+        fused_qkv=any(l.name in _FUSED_QKV for l in spec.linears),
+        rope=f not in _NO_ROPE, rope_bytes=4 if f in ("olmo2", "olmo3") else 0, rope_dim=_rope_dim(spec),
         qk_norm_rows=qk_rows, dropout_masks_per_layer=masks, embedding_dropout=embed_drop,
         sliding_window=int(cfg.get("sliding_window") or 0), sliding_layers=_sliding_layers(spec),
         attn_softcapping=bool(cfg.get("attn_logit_softcapping")) and f == "gemma2",
@@ -53,7 +72,7 @@ def family_traits(spec: ModelSpec) -> FamilyTraits:
 
 def _sliding_layers(spec: ModelSpec) -> int:
     """Layers with sliding-window attention, as transformers' config classes lay them out."""
-    cfg, L, f = spec.config, spec.num_layers, spec.family
+    cfg, L, f = text_config(spec.config), spec.num_layers, spec.family
     if not cfg.get("sliding_window"):
         return 0
     if isinstance(cfg.get("layer_types"), list):
@@ -63,6 +82,9 @@ def _sliding_layers(spec: ModelSpec) -> int:
         return sum((i + 1) % pattern != 0 for i in range(L))
     if f == "gemma2":
         return sum(i % 2 == 0 for i in range(L))
+    if f == "cohere2":  # Cohere2Config: every 4th layer full (sliding_window_pattern)
+        pattern = int(cfg.get("sliding_window_pattern") or 4)
+        return sum((i + 1) % pattern != 0 for i in range(L))
     if f in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         return 0 if not cfg.get("use_sliding_window") else L - min(L, int(cfg.get("max_window_layers") or L))
     return L
@@ -70,7 +92,7 @@ def _sliding_layers(spec: ModelSpec) -> int:
 
 def _rope_dim(spec: ModelSpec) -> int | None:
     """Width of the cos/sin tables where it is not the whole head (None)."""
-    cfg = spec.config
+    cfg = text_config(spec.config)
     if spec.family == "gptj":
         return int(cfg.get("rotary_dim") or spec.head_dim) // 2
     if spec.family == "gpt_neox":
@@ -82,7 +104,7 @@ def _rope_dim(spec: ModelSpec) -> int | None:
     if spec.family == "phi":  # PhiConfig's partial_rotary_factor defaults to 0.5
         rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         return int(spec.head_dim * float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))))
-    if spec.family in ("glm", "glm4"):  # GlmConfig/Glm4Config default partial_rotary_factor 0.5
+    if spec.family in ("glm", "glm4", "nemotron") or spec.model_type == "glm4_moe":  # partial_rotary_factor 0.5
         rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
         return int(spec.head_dim * float(factor))

@@ -41,10 +41,11 @@ def hf_config(config: dict, num_layers: int | None):
 
 def attn_implementation(config: dict, setup: Setup) -> str:
     """The ``attn_implementation`` the model of ``setup`` is built with: the family's default for
-    ``auto`` (eager for Gemma2, else SDPA). FlashAttention-2 needs CUDA; its memory (q, k, v, out,
-    fp32 logsumexp) is what SDPA's flash kernel saves, so SDPA runs in its place."""
+    ``auto`` (eager for Gemma2, and for gpt-oss and GPT-Neo, whose classes have no SDPA path; else SDPA).
+    FlashAttention-2 needs CUDA; its memory (q, k, v, out, fp32 logsumexp) is what SDPA's flash kernel
+    saves, so SDPA runs in its place."""
     if setup.attn == "auto":
-        return "eager" if config.get("model_type") in {"gemma2"} else "sdpa"
+        return "eager" if config.get("model_type") in {"gemma2", "gpt_oss", "gpt_neo"} else "sdpa"
     return "sdpa" if setup.attn == "flash" else setup.attn
 
 

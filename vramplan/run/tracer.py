@@ -253,7 +253,7 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
         trainable = [p for p in params if p.requires_grad]
         for t in itertools.chain(params, model.buffers()):
             counter.add(t)
-        _label_backward_moments(model, counter, hf_cfg.num_hidden_layers)
+        _label_backward_moments(model, counter, hf_cfg.get_text_config().num_hidden_layers)
         opt = step_optimizer(setup, model, trainable, torch_optimizer)  # after the labels (in-backward steps)
 
         def classify(live: dict[int, int]) -> dict[str, int]:
@@ -339,7 +339,7 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
             eval_step(model, setup, config, counter, autocast)
 
     return TraceNumbers(
-        num_layers=hf_cfg.num_hidden_layers,
+        num_layers=hf_cfg.get_text_config().num_hidden_layers,
         host_peak=counter.host_peak,
         phase_peaks=counter.peaks,
         params_total=sum(p.numel() for p in params),
@@ -398,7 +398,9 @@ def _extrapolate(a: TraceNumbers, b: TraceNumbers, num_layers: int) -> TraceNumb
 
 
 def _num_layers(config: dict) -> int:
-    return int(config.get("num_hidden_layers") or config.get("n_layer"))
+    if isinstance(config.get("text_config"), dict):  # an image-text model (Gemma 3): its text tower's layers
+        config = config["text_config"]
+    return int(config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers"))
 
 
 def _layer_types(config: dict) -> list[str] | None:

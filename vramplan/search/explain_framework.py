@@ -7,9 +7,9 @@ runs with TRL's SFTTrainer (setup/frameworks.py: no fp32 upcast of a quantized b
 adapters, its fused chunked LM head), which most users run, then with Unsloth (estimator/unsloth.py:
 offloaded checkpointing, fused chunked cross-entropy) (:data:`ALTERNATIVES`); the first whose plan
 stays in VRAM with the margins (or, when none does, the first that fits where the HF recipe's does
-not) is the plan, and a note of kind ``framework`` says so, with the HF recipe's plan beside it and
-``--framework hf`` to keep it. A
-framework the user names (``--framework``, a config file a reader read, ``plan --from``) is never
+not or fits in VRAM where it offloads to the CPU: a plan that says it is tight) is the plan, and a
+note of kind ``framework`` says so, with the HF recipe's plan beside it and ``--framework hf`` to keep
+it. A framework the user names (``--framework``, a config file a reader read, ``plan --from``) is never
 switched. ``emit`` writes the framework's own config (TRL's ``trl sft`` YAML) for such a plan.
 
 A named framework's plan that does not fit, or fits only with a distributed engine or CPU offload
@@ -55,7 +55,11 @@ def switch_framework(run: Callable[..., Plan], fixed: dict[str, Any], chosen: Pl
             continue
         if _resident(alt):
             return _switched(alt, chosen, tried)
-        if alt.fits and not chosen.fits and fallback is None:
+        # no alternative stays resident with the margins: one that fits in VRAM, even inside the margins
+        # only, over the HF recipe's nothing or its CPU offload on one GPU (DeepSpeed ZeRO-3 offload on a
+        # consumer card: several times slower, and not what practitioners run); the plan says it is tight
+        in_vram = residency(alt.setup) == 0 < residency(chosen.setup)
+        if fallback is None and alt.fits and (not chosen.fits or in_vram):
             fallback = alt
         tried.append(alt)
     return chosen if fallback is None else _switched(fallback, chosen, [p for p in tried if p is not fallback])

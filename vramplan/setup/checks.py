@@ -282,6 +282,10 @@ def fsdp_lora_crashes(model: ModelSpec, setup: Setup) -> bool:
             and model.tie_word_embeddings)
 
 
+#: Families whose router is an ``nn.Linear`` subclass returning a tuple (all-linear LoRA wraps it and fails).
+TUPLE_ROUTERS = {"phimoe": "PhimoeTopKRouter (modeling_phimoe.py)"}
+
+
 def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:
     targeted, unmatched = lora_targets(model, setup)
     known = ", ".join(dict.fromkeys(l.name for l in model.linears))
@@ -290,6 +294,12 @@ def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:
                         f"its Linears: {known}")
     warnings = [f"--lora-targets {t!r} matches no Linear of {model.name} (ignored); its Linears: {known}"
                 for t in unmatched]
+    if model.family in TUPLE_ROUTERS and any(l.role == "router" for l in targeted):
+        attn = ",".join(dict.fromkeys(l.name for l in model.linears if l.role == "attn"))
+        raise SpecError(f"LoRA on {model.name}'s router does not run: transformers 5.24's "
+                        f"{TUPLE_ROUTERS[model.family]} is an nn.Linear whose forward returns (logits, routing "
+                        "weights, expert indices), and peft's LoRA layer adds its output to that tuple; target the "
+                        f"attention: --lora-targets {attn}")
     # Routers (e.g. Qwen2-MoE's 1-wide shared_expert_gate) are wrapped by "all-linear" whatever the
     # rank; peft accepts a rank above their width, so they do not bound it.
     bounded = [l for l in targeted if l.role != "router"]

@@ -59,6 +59,7 @@ MAX_COUNTS: dict[str, int] = {
     "tp": 1 << 10,
     "cp": 1 << 10,
     "pp": 1 << 10,
+    "ep": 1 << 10,
     "dp_replicate": 1 << 16,
     "max_prompt_length": 1 << 24,
     "max_completion_length": 1 << 24,

@@ -54,9 +54,9 @@ GENERATIONS = ("hf", "vllm-colocate", "vllm-server")
 #: Modelled: gpipe and 1f1b (estimator/pipeline.py); the others are refused with one line
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 PP_MODELLED_SCHEDULES = ("gpipe", "1f1b")
-#: Fields ``Setup.to_dict`` leaves out at their defaults (``from_dict`` restores them): the pipeline's,
-#: added after the committed records and baselines were written
-OMITTED_AT_DEFAULT = ("pp", "pp_schedule")
+#: Fields ``Setup.to_dict`` leaves out at their defaults (``from_dict`` restores them): the pipeline's
+#: and expert parallelism's, added after the committed records and baselines were written
+OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep")
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,10 @@ class Setup:
     pp: int = 1
     #: the pipeline schedule (``PP_SCHEDULES``; gpipe and 1f1b modelled)
     pp_schedule: str = "1f1b"
+    #: expert-parallel degree of an MoE model's routed experts (transformers 5.24
+    #: ``DistributedConfig(ep_size)``: each rank holds ``num_experts / ep`` whole experts, tokens
+    #: reach them by all-to-all; modelled beside ``tp == ep``, estimator/expert_parallel.py). 1: off
+    ep: int = 1
     #: accelerate ``fsdp_version``: 1 (FSDP1's FlatParameter) or 2 (``fully_shard``, DTensor)
     fsdp_version: int = 1
     #: hybrid sharding (HSDP): FSDP shards within groups of ``gpus // dp_replicate`` GPUs and replicates
@@ -344,6 +348,9 @@ def _check_parallelism(s: Setup) -> None:
     check_choice("device_map", s.device_map, DEVICE_MAPS)
     check_positive("tp", s.tp)
     check_positive("cp", s.cp)
+    check_positive("ep", s.ep)
+    if s.ep > 1 and s.gpus % s.ep:
+        raise SpecError(f"gpus ({s.gpus}) must be a multiple of ep ({s.ep}): each expert-parallel rank is a GPU")
     _check_pipeline(s)
     if s.fsdp_version not in (1, 2):
         raise SpecError(f"fsdp_version must be 1 or 2; got {s.fsdp_version!r}")

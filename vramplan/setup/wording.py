@@ -60,6 +60,8 @@ def describe(setup: Setup) -> str:
         parts.append(f"{setup.gpus} GPUs")
     if setup.tp > 1:  # transformers' tp_plan: every layer sharded over the GPUs
         parts.append(f"tensor parallel (tp {setup.tp})")
+    if setup.ep > 1:  # transformers' ep_plan: the routed experts split over the GPUs, tokens by all-to-all
+        parts.append(f"expert parallel (ep {setup.ep})")
     if setup.cp > 1:  # torch's ring attention: the sequence sharded over the GPUs
         parts.append(f"context parallel (cp {setup.cp})")
     if setup.pp > 1:  # torch.distributed.pipelining: one stage per GPU, grad_accum micro-batches

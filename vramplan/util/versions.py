@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from importlib import metadata
 
 #: Libraries whose versions change what a training step allocates.
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed", "nvidia-ml-py")
@@ -21,6 +20,8 @@ BASELINE_LIBRARIES = ("torch", "transformers", "peft")
 
 def library_versions(names: Iterable[str] = LIBRARIES) -> dict[str, str | None]:
     """``{name: installed version}`` in the order given; None for a library not installed."""
+    from importlib import metadata  # here, not at import: it costs every command ~12 ms (vramplan models)
+
     out: dict[str, str | None] = {}
     for name in names:
         try:

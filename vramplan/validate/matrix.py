@@ -39,7 +39,7 @@ KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "gr
          "selective_checkpointing",
          "moe", "loss", "framework", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
          "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map", "tp", "cp",
-         "pp",
+         "pp", "ep",
          "device_overheads",
          "measured", "dpo", "orpo", "kto", "grpo", "eval")
 
@@ -333,6 +333,10 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
         from ..truths.pipeline import pp_rows
 
         rows += pp_rows(quick)
+    if "ep" in wanted:  # expert parallelism: transformers' ep_plan (all-to-all) beside tp == ep on N gloo ranks
+        from ..truths.ep_truth import ep_rows
+
+        rows += ep_rows(quick)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "
