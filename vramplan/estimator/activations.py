@@ -300,9 +300,12 @@ def moe_layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     assert moe is not None
     h, c, k, ei, E = model.hidden_size, compute_bytes(setup), moe.top_k, moe.expert_intermediate_size, moe.num_experts
     full = setup.method == "full"
-    experts_train = full or (setup.adapters and converted_moe(model))
+    # LoRA reaches the 3-D expert stack (and router) only when the targets name them: q/k/v/o leave the
+    # experts on their own frozen weights (moe_lora_weight_bytes)
+    lora_moe = setup.adapters and converted_moe(model) and bool(expert_lora_params(model, setup))
+    experts_train = full or lora_moe
     router = 4 * E + 8 * k + ((4 + 4 * k) if moe.norm_topk_prob else 0)
-    if setup.adapters and converted_moe(model):
+    if lora_moe:
         router += c * h  # the LoRA-merged router weight trains: its input is kept
     weight_bytes = 4 if model.family == "mixtral" else c
     routed = 24 * k + k * (c * 2 * ei + c * ei + weight_bytes + c * h)
