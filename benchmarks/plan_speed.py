@@ -65,6 +65,7 @@ ABSURD = [
 def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, float, int, object]:
     """Median wall and CPU seconds of ``vramplan.plan``, the estimates of the last run, the plan."""
     import vramplan
+    from vramplan.estimator.cache import clear
     from vramplan.search import Evaluator
 
     vramplan.plan(model, gpu, **kwargs)  # warm-up: profile parsing, caches
@@ -81,6 +82,7 @@ def time_search(model: str, gpu: str, kwargs: dict, n: int) -> tuple[float, floa
     for _ in range(n):
         counted[0] = 0
         Evaluator.estimate = counting
+        clear()  # a cold search: the estimator's card-free memo (estimator/cache.py) starts empty each run
         try:
             t0, c0 = time.perf_counter(), time.process_time()
             plan = vramplan.plan(model, gpu, **kwargs)

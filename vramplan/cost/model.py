@@ -45,6 +45,7 @@ the fill fraction, which a Setup does not carry (the padded published rows are e
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -190,9 +191,9 @@ class StepCost:
     generation_s: float = 0.0
     reference_s: float = 0.0
 
-    @property
-    def step_s(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name.endswith("_s"))
+    @functools.cached_property
+    def step_s(self) -> float:  # (a search reads it many times: computed once, the fields being frozen)
+        return sum(getattr(self, name) for name in _TERMS)
 
     @property
     def tokens_per_s(self) -> float:
@@ -201,6 +202,10 @@ class StepCost:
     def terms(self) -> dict[str, float]:
         """Seconds per term, by name (``compute``, ``lora``, ...)."""
         return {f.name.removesuffix("_s"): getattr(self, f.name) for f in fields(self) if f.name.endswith("_s")}
+
+
+#: the fields of :class:`StepCost` that are seconds, in order
+_TERMS = tuple(f.name for f in fields(StepCost) if f.name.endswith("_s"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,16 +16,16 @@ from dataclasses import dataclass
 from ..bands import DEFAULT_ERROR_BANDS
 from ..setup.checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
-from ..util.units import PRECISION_WEIGHT_DTYPE
-from . import act_offload, eval_step, knobs, objectives, selective, transients, unsloth, vllm_share
+from . import act_offload, cache, eval_step, knobs, objectives, selective, transients, unsloth, vllm_share
 from . import activations as act
 from . import layer_split_memory as split_memory
 from . import optimizers as opt_rules
+from .cache import memoized
+from .components import step_components
 from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
 from .distributed import StepActivations, ZeroMemory, zero_memory, zero_phase_peaks
 from .fsdp import FsdpMemory, ddp_bucket_bytes, is_ddp
 from .fsdp2 import sharded_memory, sharded_phase_peaks
-from .hybrid_shard import hsdp_held
 from .model_states import (
     GPTQ_DEQUANT_PEAK_BYTES_PER_WEIGHT,
     adapter_bytes,
@@ -41,7 +41,7 @@ from .model_states import (
     weights_bytes,
 )
 from .parallel_rank import rank_estimator
-from .precision import compute_bytes, kbit_upcast
+from .precision import compute_bytes
 from .stack import DEFAULT_STACK, Stack, stack_notes
 
 
@@ -58,15 +58,95 @@ def estimate(
     """Analytic Breakdown of one training step of ``setup`` on ``model`` (per GPU), as the
     libraries of ``stack`` run it (estimator/stack.py: transformers 5 unless told). ``loss_model``:
     the model whose vocabulary the loss sees, when ``model`` is one rank's shard of it; ``attention_floor``:
-    the least a layer's attention backward adds (context parallelism's ring, estimator/context_parallel.py)."""
+    the least a layer's attention backward adds (context parallelism's ring, estimator/context_parallel.py).
+
+    The step's tensor terms (:func:`tensor_terms`) are the same on every card unless :func:`card_terms`;
+    they are kept per value (estimator/cache.py) and the card's device terms put on them here."""
     one_rank = rank_estimator(setup)  # pp, cp or tp: one stage's / rank's estimate (estimator/parallel_rank.py)
     if one_rank is not None:
         return one_rank(model, setup, gpu, corrections, stack, estimate)
-    single = _model_states(model, setup)
-    notes = check(model, setup, gpu)  # raises SpecError for a setup peft would refuse
+    on_card = card_terms(setup) or not cache.enabled()  # uncached: every term on the card (the tests' reference)
+    t = tensor_terms(model, setup, gpu if on_card else None, corrections if on_card else None, stack, loss_model,
+                     attention_floor)
+    notes = list(t.check_notes if on_card or gpu is None else _checked(model, setup, gpu, stack)) + list(t.notes)
+    states, split, paged, phase_peaks = t.states, t.split, t.paged, t.phase_peaks
+    allocated, reserved, device_total, overheads = device_overheads(phase_peaks[t.phase], 1 if split else setup.gpus,
+                                                                    gpu, corrections)
+    notes += eval_step.eval_fit_note(  # --eval-batch: the eval batch that fits
+        model, setup, gpu, phase_peaks, t.ev_rest, states.cast_cache,
+        lambda peak: device_overheads(peak, 1 if split else setup.gpus, gpu, corrections)[2] + paged)
+    notes += objectives.vllm_room_note(setup, gpu, device_total + paged) + vllm_share.share_notes(model, setup, gpu)
+    device_total += paged + objectives.vllm_share_bytes(setup, gpu)  # vLLM colocated: its share of the card
+    return Breakdown(
+        model=model.name,
+        setup=setup,
+        tier="analytic",
+        components=eval_step.with_eval_phase(setup, objectives.with_objective_phases(setup, t.components[0] + tuple(
+            Component(name, n, PHASES, note=note) for name, n, note in overheads) + t.components[1])
+            + t.extra.components) + t.last_components,
+        phase_peaks_bytes=dict(phase_peaks),
+        phase=t.phase,
+        tensor_peak_bytes=int(phase_peaks[t.phase]),
+        peak_allocated_bytes=int(allocated),
+        peak_reserved_bytes=int(reserved),
+        device_total_bytes=int(device_total),
+        params_total=t.params_total,
+        params_trainable=t.params_trainable,
+        host_bytes=t.host_bytes,
+        gpu=gpu,
+        notes=tuple(notes),
+        error_band=corrections.bands or DEFAULT_ERROR_BANDS,  # the documented default when uncalibrated
+        calibration=corrections.calibration,
+        per_rank=split.per_rank if split else (),
+    )
+
+
+def card_terms(setup: Setup) -> bool:
+    """Whether the card (and its corrections) enter the step's tensor terms, not only its device terms:
+    Unsloth's loss chunks (the memory free at the first loss), a layer split (each GPU's share of the
+    card) and DPO/GRPO (vLLM colocated's share, the generation). Otherwise :func:`tensor_terms` sees no card."""
+    return setup.loss == "unsloth" or setup.device_map != "none" or setup.objective != "sft"
+
+
+def _checked(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, stack: Stack) -> list[str]:
+    """The setup check's warnings (it raises SpecError for a setup peft would refuse)."""
+    notes = check(model, setup, gpu)
     if stack.moe_experts_linear:  # transformers 4.x quantizes per-expert Linears: the fused-experts warning is 5's
         notes = [n for n in notes if "fused 3-D tensors that bitsandbytes" not in n]
-    notes += stack_notes(model, setup, stack)
+    return notes
+
+
+@dataclass(frozen=True)
+class TensorTerms:
+    """One step before the card's device terms: the tensor peak of each phase and what it is made of."""
+
+    check_notes: tuple[str, ...]  # the setup check's warnings on the card the terms saw (None: on none)
+    notes: tuple[str, ...]  # the terms' own notes, in order
+    pset: Setup  # the setup the step's rows are (DPO/GRPO: the policy's)
+    states: ModelStates
+    acts: StepActivationTerms
+    recompute: int
+    split: split_memory.SplitResult | None  # a layer split's fullest GPU
+    extra: objectives.ObjectiveMemory
+    phase_peaks: dict[str, int]  # never changed: each Breakdown gets a copy
+    phase: str
+    ev_rest: int  # what the eval step holds beside its forward
+    paged: int  # bitsandbytes' paged states (managed memory, outside torch's allocator)
+    components: tuple[tuple[Component, ...], tuple[Component, ...]]  # before and after the device terms
+    last_components: tuple[Component, ...]  # the eval step's and the host copies'
+    params_total: int
+    params_trainable: int
+    host_bytes: int
+
+
+@memoized(typed=1)
+def tensor_terms(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, corrections: Corrections | None, stack: Stack,
+                 loss_model: ModelSpec | None, attention_floor: int) -> TensorTerms:
+    """The tensor terms of one step (no pp/cp/tp: estimator/parallel_rank.py), in named steps; ``gpu`` and
+    ``corrections`` None unless :func:`card_terms`. Kept per its arguments (estimator/cache.py)."""
+    single = _model_states(model, setup)
+    notes = _checked(model, setup, gpu, stack)  # raises SpecError for a setup peft would refuse
+    rest = stack_notes(model, setup, stack)
     cast = _autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)
     pset = setup if setup.objective == "sft" else objectives.policy_setup(setup, stack)  # DPO/GRPO rows
@@ -79,48 +159,25 @@ def estimate(
     if setup.device_map != "none":  # a layer split: the fullest GPU's terms (estimator/layer_split_memory.py)
         ends = (_layer_backward(model, pset, acts, model.num_layers - 1)[0], *_layer_backward(model, pset, acts, 0))
         split = split_memory.fullest_rank(model, setup, gpu, corrections, states, cast.head, acts, ends)
-        states, acts, phase_peaks, notes = split.states, split.acts, split.phase_peaks, notes + list(split.notes)
+        states, acts, phase_peaks, rest = split.states, split.acts, split.phase_peaks, rest + list(split.notes)
     extra = _objective(model, setup, gpu, states, acts, phase_peaks, stack)
     phase_peaks = {**extra.phases, **{p: b + extra.ref_weights for p, b in phase_peaks.items()}}
-    notes += extra.notes
+    rest += extra.notes
     ev_rest = states.weights + states.adapters + states.optimizer_states + states.buffers
     ev_peaks, ev_comps, ev_notes = eval_step.eval_phase(  # --eval-batch: the eval step (estimator/eval_step.py)
         model, setup, ev_rest, states.cast_cache)
-    phase_peaks, notes = {**phase_peaks, **ev_peaks}, notes + list(ev_notes)
-    phase = max(phase_peaks, key=lambda p: phase_peaks[p])
-    tensor_peak = phase_peaks[phase]
-
-    allocated, reserved, device_total, overheads = device_overheads(tensor_peak, 1 if split else setup.gpus, gpu,
-                                                                    corrections)
+    phase_peaks, rest = {**phase_peaks, **ev_peaks}, rest + list(ev_notes)
     # bitsandbytes' paged states are managed memory: on the device, outside torch's allocator
-    paged = split.paged if split else opt_rules.paged_bytes(model, setup) + knobs.knob_states(model, setup).paged
-    notes += eval_step.eval_fit_note(  # --eval-batch: the eval batch that fits
-        model, setup, gpu, phase_peaks, ev_rest, states.cast_cache,
-        lambda t: device_overheads(t, 1 if split else setup.gpus, gpu, corrections)[2] + paged)
-    notes += objectives.vllm_room_note(setup, gpu, device_total + paged) + vllm_share.share_notes(model, setup, gpu)
-    device_total += paged + objectives.vllm_share_bytes(setup, gpu)  # vLLM colocated: its share of the card
-    return Breakdown(
-        model=model.name,
-        setup=setup,
-        tier="analytic",
-        components=eval_step.with_eval_phase(setup, objectives.with_objective_phases(
-            setup, _components(pset, states, acts, recompute, paged, overheads)) + extra.components) + ev_comps
-        + act_offload.components(model, setup) + unsloth.components(model, setup),
-        phase_peaks_bytes=phase_peaks,
-        phase=phase,
-        tensor_peak_bytes=int(tensor_peak),
-        peak_allocated_bytes=int(allocated),
-        peak_reserved_bytes=int(reserved),
-        device_total_bytes=int(device_total),
+    knob = knobs.knob_states(model, setup)
+    paged = split.paged if split else opt_rules.paged_bytes(model, setup) + knob.paged
+    return TensorTerms(
+        check_notes=tuple(notes), notes=tuple(rest), pset=pset, states=states, acts=acts, recompute=recompute,
+        split=split, extra=extra, phase_peaks=phase_peaks, phase=max(phase_peaks, key=lambda p: phase_peaks[p]),
+        ev_rest=ev_rest, paged=paged, components=step_components(pset, states, acts, recompute, paged),
+        last_components=tuple(ev_comps) + act_offload.components(model, setup) + unsloth.components(model, setup),
         params_total=model.params_total,
-        params_trainable=trainable_params(model, setup) + knobs.knob_states(model, setup).params,
-        host_bytes=int(states.host + act_offload.host_bytes(model, setup) + unsloth.host_bytes(model, setup)),
-        gpu=gpu,
-        notes=tuple(notes),
-        error_band=corrections.bands or DEFAULT_ERROR_BANDS,  # the documented default when uncalibrated
-        calibration=corrections.calibration,
-        per_rank=split.per_rank if split else (),
-    )
+        params_trainable=trainable_params(model, setup) + knob.params,
+        host_bytes=int(states.host + act_offload.host_bytes(model, setup) + unsloth.host_bytes(model, setup)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,81 +477,3 @@ def _objective(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, st: ModelSta
     after_forward = resting + a.layers + a.model_io
     return objectives.objective_memory(model, setup, gpu, resting, after_forward, stack, st.adapters,
                                        st.gradients if setup.grad_accum > 1 else 0)
-
-
-# ----------------------------------------------------------------------------------------------
-# the Breakdown's components
-
-
-def _components(setup: Setup, st: ModelStates, a: StepActivationTerms, recompute: int, paged: int,
-                overheads: list) -> tuple[Component, ...]:
-    fb = ("forward", "backward")
-    A_layers, A_deq = a.layers, a.dequantized
-    T_deq, T_deq_fwd = a.dequantization, a.dequantization_forward
-    logits = max(a.logits_forward, a.logits_backward)
-    # every layer checkpointed: all the layers keep (a layer split's acts are its rank's); selective: some
-    ckpt_inputs = a.checkpointed_inputs if selective.selective(setup) else A_layers if setup.checkpointing else 0
-    comps = [
-        Component("weights", st.weights, PHASES,
-                  note=_weights_note(setup) if st.fsdp is None else "this rank's FSDP shards"),
-        Component("adapters", st.adapters - st.trained_modules, PHASES, note="LoRA A/B in fp32")
-        if st.adapters else None,
-        Component("trained_modules", st.trained_modules, PHASES, note=knobs.trained_modules_note(setup))
-        if st.trained_modules else None,
-        Component("autocast_weight_cache", st.cast_cache, fb, note="half copies of weights under autocast")
-        if st.cast_cache else None,
-        Component("gradients", st.gradients, ("backward", "optimizer") if setup.grad_accum == 1 else PHASES),
-        Component("optimizer_states", st.optimizer_states, PHASES, note=setup.optimizer),
-        Component("paged_optimizer_states", paged, PHASES,
-                  note="cudaMallocManaged: in device_total, not in tensor peak/allocated/reserved") if paged else None,
-        Component("optimizer_step", st.optimizer_step, ("optimizer",), note="foreach step transient")
-        if st.optimizer_step else None,
-        Component("activations", A_layers - A_deq - ckpt_inputs, fb, note="saved for backward"),
-        Component("dequantized_weights", A_deq, fb,
-                  note="GPTQ: each Linear's 16-bit weight, saved by torch.matmul for backward") if A_deq else None,
-        Component("dequantization", max(T_deq, T_deq_fwd), fb,
-                  note="one Linear's weight dequantized (estimate only: validate)")
-        if setup.quant in ("gptq", "awq") and max(T_deq, T_deq_fwd) else None,
-        Component("dora_weight_norm", a.dora_norm, fb, note="one Linear's W + s*BA in fp32 and the eye(in) "
-                  "its LoRA weight is built from") if a.dora_norm else None,
-        Component("checkpointed_inputs", ckpt_inputs, fb, note="layer inputs kept by checkpointing"
-                  + act.checkpoint_note(setup)
-                  + unsloth.checkpoint_note(setup)
-                  + (f" (one layer in {setup.checkpoint_every})" if selective.selective(setup) else ""))
-        if setup.checkpointing else None,
-        Component("recompute", recompute, ("backward",), note="one layer recomputed, with its gradient temporaries")
-        if recompute else None,
-        Component("model_io_activations", a.model_io, fb, note="embeddings, final norm, fp32 log-probs"),
-        Component("logits_loss", logits, fb,
-                  note="TRL's fused log-prob head (4096 x 32768 tiles, fp32 gradients)"
-                  if setup.objective != "sft" or setup.loss == "trl"
-                  else unsloth.LOSS_NOTE if setup.loss == "unsloth"
-                  else "logits, fp32 upcast and its gradient" if setup.loss == "hf"
-                  else f"one {transients.LOSS_CHUNK_TOKENS}-token chunk at a time (chunked loss)"),
-        Component("deepspeed_buffers", st.buffers, PHASES) if st.buffers and not st.ddp_buckets else None,
-        Component("ddp_buckets", st.ddp_buckets, PHASES, note="DDP gradient buckets (a copy of the gradients)")
-        if st.ddp_buckets else None,
-        Component("fsdp_gathered", st.fsdp_gathered, PHASES, note="unsharded root unit + one layer unit (16-bit)"
-                  if st.fsdp.version == 1 else "FSDP2: unsharded tail group (norm, head) + one layer; at the loss "
-                  "also the last all-gather buffer (estimator/fsdp2.py)")
-        if st.fsdp_gathered else None,
-        Component("hsdp_reduce_held", held, ("backward",), note="hybrid sharding: each group's 16-bit reduce output "
-                  "held for its all-reduce to the end of the backward (torch 2.13 FSDPParamGroup._all_reduce_state; "
-                  "estimator/hybrid_shard.py)") if (held := hsdp_held(st.fsdp)) else None,
-        *(Component(name, n, PHASES, note=note) for name, n, note in overheads),
-        Component("host_offload", st.host, PHASES, where="host") if st.host else None,
-        Component("nvme_offload", st.zero.nvme, PHASES, where="nvme", note="ZeRO-Infinity's swap files")
-        if st.zero is not None and st.zero.nvme else None,
-    ]
-    return tuple(c_ for c_ in comps if c_ is not None)
-
-
-def _weights_note(setup: Setup) -> str:
-    if setup.quant in ("gptq", "awq"):
-        g = "per channel" if setup.quant_group_size == -1 else f"g{setup.quant_group_size}"
-        rest = "fp32 (k-bit prep)" if setup.quant == "awq" else PRECISION_WEIGHT_DTYPE[setup.precision]
-        return f"{setup.quant} {setup.quant_bits}-bit {g} base (packed int32 + fp16 scales); other params {rest}"
-    if setup.quant != "none":
-        rest = "fp32" if kbit_upcast(setup) else PRECISION_WEIGHT_DTYPE[setup.precision]
-        return f"{setup.quant}{' + double quant' if setup.double_quant else ''} base; other params {rest}"
-    return PRECISION_WEIGHT_DTYPE[setup.precision]

@@ -27,10 +27,16 @@ class Search:
     """One search over the free knobs for one target."""
 
     def __init__(self, model: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any],
-                 band: float | None, strict: bool = True, ranks: tuple[int, ...] | None = None):
+                 band: float | None, strict: bool = True, ranks: tuple[int, ...] | None = None,
+                 brief: bool = False):
         self.space = Space(model, target, shape, fixed, ranks)
         self.ev = Evaluator(model, target, shape, band, strict)
         self.mb_hint: dict[tuple, int] = {}  # setup but its rank -> index of a lower rank's largest micro-batch
+        #: only what the choice reads (a plan without its words): once a candidate fits at a placement
+        #: (:func:`~.rank.placement`), the classes past it are not searched, nor an infeasible family's
+        #: floors, since :func:`~.rank.tier_bests` keeps the best placement any candidate reaches
+        self.brief = brief
+        self.best_placement: int | None = None  # the best placement of a fitting candidate so far
 
     @property
     def shape(self) -> BatchShape:
@@ -158,9 +164,12 @@ class Search:
             return verdict[key]
 
         bests: list[Candidate] = []
-        for cls in sorted({rank.klass(s) for s in configs}):
+        classes = [rank.klass(s) for s in configs]
+        for cls in sorted(set(classes)):  # (placement, extras): the best placement first
+            if self.brief and self.best_placement is not None and cls[0] > self.best_placement:
+                break
             best: Candidate | None = None
-            group = [s for s in configs if rank.klass(s) == cls]
+            group = [s for s, k in zip(configs, classes, strict=True) if k == cls]
             ranked = sorted(((ev.speed_bound(s), i, s) for i, s in enumerate(group)), key=lambda t: (-t[0], t[1]))
             for bound, _, s in ranked:
                 if best is not None and bound <= best.tokens_per_s:
@@ -174,8 +183,10 @@ class Search:
                     best = c
             if best is not None:
                 bests.append(best)
-        if not bests:  # infeasible: every floor was judged; report the smallest
-            for key in floors:
+                if self.brief:
+                    self.best_placement = cls[0] if self.best_placement is None else min(self.best_placement, cls[0])
+        if not bests and not (self.brief and self.best_placement is not None):
+            for key in floors:  # infeasible: every floor was judged; report the smallest
                 feasible(key)
         return bests, lowest
 

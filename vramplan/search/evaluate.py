@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..cost import model as cost
 from ..cost import objectives as cost_objectives
 from ..estimator import estimate
+from ..estimator.cache import memoized
 from ..estimator.vllm_share import vllm_share
 from ..specs import Breakdown, ModelSpec, Setup
 from .geometry import BatchShape, Target
@@ -105,7 +106,7 @@ class Evaluator:
         return self.step(self.at_micro(setup, self.shape.micro_batches[-1])).tokens_per_s
 
     def at_micro(self, setup: Setup, micro: int) -> Setup:
-        return setup.replace(batch=micro, grad_accum=self.shape.grad_accum(micro))
+        return _at_micro(setup, micro, self.shape.grad_accum(micro))
 
     # -- the verdict ----------------------------------------------------------------------------
 
@@ -147,3 +148,9 @@ class Evaluator:
             if key is not None:
                 self.fail_rank[key] = min(setup.lora_rank, self.fail_rank.get(key, _NO_RANK))
         return c
+
+
+@memoized(typed=0)
+def _at_micro(setup: Setup, micro: int, grad_accum: int) -> Setup:
+    """``setup`` at micro-batch ``micro`` (a search asks for the same ones again on every card: kept per value)."""
+    return setup.replace(batch=micro, grad_accum=grad_accum)

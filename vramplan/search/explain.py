@@ -332,6 +332,16 @@ def relaxation_note(r: Relaxation) -> Note:
     return Note(f"{head}: {what}", "what_would_fit")
 
 
+def tight_note(result: Result, chosen: Candidate, card: GpuSpec) -> Note:
+    """A plan that fits only without the margins (``Plan.tight`` reads it)."""
+    ev, bd = result.search.ev, chosen.breakdown
+    band_limit, margin_limit = ev.limits(bd)
+    return Note(f"tight: needs {size(bd.device_total_bytes)} of {size(card.usable_memory_bytes)} usable; "
+                f"no plan fits within the ±{ev.band_of(bd):.0%} error band of the estimate and the "
+                f"{result.search.target.margin:.0%} headroom kept ({size(min(band_limit, margin_limit))}), so the "
+                "step may run out of memory", "tight")
+
+
 def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, biggest: int, batch_fixed: bool,
               dataset_tokens: int | None) -> list[Note]:
     """The notes of a plan that fits, in order: tight, offload, a much faster lower tier, the
@@ -340,13 +350,7 @@ def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, 
     ev = result.search.ev
     target = result.search.target
     bd = chosen.breakdown
-    notes: list[Note] = []
-    if tight:
-        band_limit, margin_limit = ev.limits(bd)
-        notes.append(Note(f"tight: needs {size(bd.device_total_bytes)} of {size(card.usable_memory_bytes)} usable; "
-                          f"no plan fits within the ±{ev.band_of(bd):.0%} error band of the estimate and the "
-                          f"{target.margin:.0%} headroom kept ({size(min(band_limit, margin_limit))}), so the step "
-                          "may run out of memory", "tight"))
+    notes: list[Note] = [tight_note(result, chosen, card)] if tight else []
     if residency(chosen.setup) == 2 and not any(k in result.search.space.fixed for k in
                                                  ("offload_optimizer", "offload_params")):
         notes.append(Note("offload: no plan without CPU/NVMe offload fits at any quality tier"

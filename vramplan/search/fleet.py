@@ -129,7 +129,9 @@ def compare(model: str, cards: Sequence[GpuSpec], *, dataset_tokens: int, epochs
             prices: PriceTable, rank_by: str = "cost", budget: float | None = None, deadline: float | None = None,
             plan_one: Callable[..., Plan], **fixed: Any) -> Fleet:
     """The rows of every card and count that fits (module docstring). ``plan_one(model, card, gpus=,
-    nodes=, **fixed)`` plans one (the command passes :func:`planner.plan` with the card's calibration)."""
+    nodes=, relax=, details=, **fixed)`` plans one (the command passes :func:`planner.plan` with the card's
+    calibration); a row reads only the plan's setup, fit and speed, so it is asked for no alternatives,
+    why-not lines or notes (``details=False``)."""
     if rank_by not in RANKS:
         raise SpecError(f"--rank-by must be one of {', '.join(RANKS)}; got {rank_by!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -142,7 +144,7 @@ def compare(model: str, cards: Sequence[GpuSpec], *, dataset_tokens: int, epochs
     for card in cards:
         for n in counts(max_gpus):
             nodes = max(1, n // 8)
-            p = plan_one(model, card, gpus=n, nodes=nodes, relax=False, **fixed)
+            p = plan_one(model, card, gpus=n, nodes=nodes, relax=False, details=False, **fixed)
             if p.fits and p.tokens_per_s:
                 options.append(option_of(p, card, n, nodes, tokens, prices))
             else:

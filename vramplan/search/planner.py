@@ -24,7 +24,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
          host_ram: int | str | None = None, nvme: bool = False, seq: int = 2048, global_batch: int | None = None,
          tokens_per_step: int | None = None, dataset_tokens: int | None = None, error_band: float | None = None,
          margin: float = DEFAULT_MARGIN, relax: bool = True, corrections: Corrections | None = None,
-         host_ram_source: HostRamSource = "given", **fixed: Any) -> Plan:
+         host_ram_source: HostRamSource = "given", details: bool = True, **fixed: Any) -> Plan:
     """The setup of ``model`` an expert would run on ``gpu`` (see :mod:`vramplan.search` for how).
 
     ``fixed`` pins Setup knobs (``method="lora"``, ``lora_rank=64``, ``quant="none"``,
@@ -39,7 +39,9 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
     commands pass the calibrated ones, ``estimator.corrections.calibration_for``; None: the
     published defaults, the raw model). ``nvme`` allows NVMe offload. When nothing fits, the Plan has
     ``fits`` False and notes saying what would (``relax``). ``framework="any"`` plans each modelled
-    framework and takes the one that trains best (search/any_framework.py).
+    framework and takes the one that trains best (search/any_framework.py). ``details`` False: the same
+    setup, Breakdown, speed and fit without the words around them (no alternatives, why-not lines or
+    notes but a ``tight`` one and a framework switch's), what a comparison of cards reads (search/fleet.py).
     """
     if fixed.get("framework") == "any":
         from .any_framework import plan_any
@@ -47,7 +49,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
         return plan_any(partial(plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
                                 global_batch=global_batch, tokens_per_step=tokens_per_step,
                                 dataset_tokens=dataset_tokens, error_band=error_band, margin=margin, relax=relax,
-                                corrections=corrections, host_ram_source=host_ram_source),
+                                corrections=corrections, host_ram_source=host_ram_source, details=details),
                         {k: v for k, v in fixed.items() if k != "framework"})
     user_fixed = fixed
     if "framework" in fixed:  # the framework's own defaults for what is not fixed (TRL's and Unsloth's loss)
@@ -55,7 +57,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
     one = partial(_plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
                   global_batch=global_batch, tokens_per_step=tokens_per_step, dataset_tokens=dataset_tokens,
                   error_band=error_band, margin=margin, corrections=corrections,
-                  host_ram_source=host_ram_source)
+                  host_ram_source=host_ram_source, details=details)
     chosen = one(**fixed, relax=relax)
     if gpus != 1 or nodes != 1:
         return chosen
@@ -67,7 +69,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
 def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes: int, host_ram: int | str | None,
           nvme: bool, seq: int, global_batch: int | None, tokens_per_step: int | None, dataset_tokens: int | None,
           error_band: float | None, margin: float, relax: bool, corrections: Corrections | None,
-          host_ram_source: HostRamSource, **fixed: Any) -> Plan:
+          host_ram_source: HostRamSource, details: bool, **fixed: Any) -> Plan:
     """:func:`plan` for the framework ``fixed`` names (the HF recipe when it names none)."""
     spec = _resolve_model(model)
     card = _resolve_gpu(gpu)
@@ -101,12 +103,13 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
     shape = batch_shape(seq, gpus, global_batch, tokens_per_step, fixed.get("batch"), fixed.get("grad_accum"))
     if fixed.get("objective") == "kto":  # TRL's KTOTrainer needs 2+ rows a micro-batch (estimator/objectives.py)
         shape = replace(shape, micro_batches=tuple(b for b in shape.micro_batches if b >= 2) or shape.micro_batches)
-    search = Search(spec, target, shape, fixed, error_band, ranks=ranks)
+    search = Search(spec, target, shape, fixed, error_band, ranks=ranks, brief=not details)
     result = search.run()
     chosen = result.choose()
     tight = False
     if chosen is None:
-        loose_result = Search(spec, target, shape, fixed, error_band, strict=False, ranks=ranks).run()
+        loose_result = Search(spec, target, shape, fixed, error_band, strict=False, ranks=ranks,
+                              brief=not details).run()
         loose = loose_result.choose()
         if loose is not None:
             result, chosen, tight = loose_result, loose, True
@@ -121,6 +124,9 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
         if not on_gpu:  # only host RAM stands in the way, and the fixed knobs force the offload
             raise SpecError(explain.host_bound_error(min(judged, key=lambda c: c.device_total_bytes), target))
         floor = min(on_gpu, key=lambda c: c.device_total_bytes)
+        if not details:
+            return Plan(model=spec.name, setup=floor.setup, breakdown=floor.breakdown, gpu=card, nodes=nodes,
+                        step_time_s=round(floor.step.step_s, 4), tokens_per_s=round(floor.tokens_per_s, 1), **host)
         host_only = [c for c in judged if c.breakdown.fits and c.host_ram_bound]
         notes = explain.no_fit_notes(floor, min(host_only, key=lambda c: c.device_total_bytes) if host_only else None)
         if relax:
@@ -134,6 +140,10 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
                     step_time_s=round(floor.step.step_s, 4), tokens_per_s=round(floor.tokens_per_s, 1),
                     alternatives=(), rejected=explain.rejected(result, None), notes=tuple(notes), **host)
 
+    if not details:
+        return Plan(model=spec.name, setup=chosen.setup, breakdown=chosen.breakdown, gpu=card, nodes=nodes,
+                    step_time_s=round(chosen.step.step_s, 4), tokens_per_s=round(chosen.tokens_per_s, 1),
+                    notes=(explain.tight_note(result, chosen, card),) if tight else (), **host)
     notes = explain.fit_notes(result, chosen, tight=tight, card=card,
                               biggest=result.search.biggest_micro_batch(chosen.setup),
                               batch_fixed=shape.per_gpu is not None or "batch" in fixed,

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..estimator import cache
+from ..estimator.cache import memoized
 from ..estimator.eval_step import eval_unmodelled
 from ..estimator.hybrid_shard import check_hybrid
 from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
@@ -18,7 +21,7 @@ from ..estimator.liger import LIGER_FAMILIES
 from ..estimator.selective import check_selective
 from ..setup.checks import check, check_activation_offload, check_framework, check_fsdp2
 from ..setup.compat import known_failures, runs
-from ..specs import ModelSpec, Setup, SpecError
+from ..specs import GpuSpec, ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
 from .space_cp import cp_splits
 from .space_parallel import hybrid_shards, tp_fsdp2_splits
@@ -169,12 +172,27 @@ class Space:
         return out
 
     def savers(self, family: Setup) -> list[Setup]:
-        """Every saver configuration of a family (checkpointing, optimizer, placement, attention)."""
-        gpu = self.target.gpu
-        attns: tuple[str, ...] = ("auto",)
-        cc = gpu.compute_capability
+        """Every saver configuration of a family (checkpointing, optimizer, placement, attention). The card
+        enters them only through the attention implementations it allows (:meth:`attentions`): they are
+        computed on the :func:`card_free` target and kept per value (a plan over many cards asks on each)."""
+        if not cache.enabled():  # on this very target (the tests' reference)
+            return self._savers(family, self.attentions())
+        try:
+            fixed = tuple(sorted((k, type(v), v) for k, v in self.fixed.items()))
+            hash(fixed)
+        except TypeError:  # an unhashable fixed value: not kept
+            return self._savers(family, self.attentions())
+        return list(_savers(family, self.model, card_free(self.target), self.shape, fixed, self.ranks,
+                            self.attentions()))
+
+    def attentions(self) -> tuple[str, ...]:
+        """The attention implementations the savers try on this card."""
+        cc = self.target.gpu.compute_capability
         if self.model.default_attn == "eager" and (cc is None or float(cc) >= 8.0):
-            attns = ("auto", "flash")  # FlashAttention-2 keeps no s x s scores (needs Ampere+)
+            return ("auto", "flash")  # FlashAttention-2 keeps no s x s scores (needs Ampere+)
+        return ("auto",)
+
+    def _savers(self, family: Setup, attns: tuple[str, ...]) -> list[Setup]:
         # Liger's kernels where they are modelled (estimator/liger.py): a saver, not a quality change
         ligers = self.choices("liger", (False, True) if liger_applies(self.model, family) else (False,))
         objective = self.objective_knobs(family)
@@ -329,6 +347,20 @@ class Space:
         return out
 
 
+def card_free(target: Target) -> Target:
+    """``target`` as the saver configurations see it: its GPUs, nodes and NVMe, no card (the attention
+    implementations the card allows are :meth:`Space.attentions`), host RAM or corrections."""
+    return Target(GpuSpec(name="card", display_name="card", usable_memory_bytes=1), target.gpus, target.nodes, None,
+                  target.nvme)
+
+
+@memoized(typed=0, maxsize=256)
+def _savers(family: Setup, model: ModelSpec, target: Target, shape: BatchShape, fixed: tuple,
+            ranks: tuple[int, ...] | None, attns: tuple[str, ...]) -> tuple[Setup, ...]:
+    """:meth:`Space.savers` of the space these values make (``fixed``: (name, type, value) triples)."""
+    return tuple(Space(model, target, shape, {k: v for k, _, v in fixed}, ranks)._savers(family, attns))
+
+
 def check_fixed(model: ModelSpec, fixed: dict[str, Any], gpus: int, seq: int) -> None:
     """Reject fixed knobs that contradict each other, with Setup's own messages."""
     unknown = sorted(set(fixed) - set(FIXABLE))
@@ -369,11 +401,12 @@ def family_key(s: Setup) -> tuple:
 
 
 _RANK_FREE = tuple(f.name for f in dataclasses.fields(Setup) if f.name not in ("lora_rank", "lora_alpha"))
+_rank_free = operator.attrgetter(*_RANK_FREE)
 
 
 def rank_key(s: Setup) -> tuple:
     """Every field of a Setup but its rank (new Setup fields are included automatically)."""
-    return tuple(getattr(s, name) for name in _RANK_FREE)
+    return _rank_free(s)
 
 
 def placement_key(s: Setup) -> tuple:
