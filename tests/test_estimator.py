@@ -159,3 +159,21 @@ def test_moe_lora_on_attention_only_within_1_percent_of_the_trace():
     model = with_layers(load_model("mistralai/Mixtral-8x7B-v0.1"), 2)
     s = Setup(method="lora", seq=512, batch=4, lora_targets="q_proj,k_proj,v_proj,o_proj")
     assert estimate(model, s).tensor_peak_bytes == pytest.approx(trace(model, s).tensor_peak_bytes, rel=0.01)
+
+
+@pytest.mark.slow
+def test_a_sliding_window_past_its_length_keeps_the_mask_through_the_layers_backward():
+    """Mistral v0.1 (window 4096) at 4096 tokens, LoRA with checkpointing, the real CPU step: the peak is the top
+    layer's recompute, beside the bool mask every checkpoint holds and RoPE's cos/sin (layers_inputs). Without
+    them the estimate was -12 % on this narrow 2-layer model."""
+    pytest.importorskip("torch")
+    from vramplan.model.architecture import model_spec_from_config
+    from vramplan.model.modelspec import shrink_config
+    from vramplan.truths.cpu_truth import run_step
+
+    base = load_model("mistralai/Mistral-7B-v0.1")
+    cfg = shrink_config(base.config, layers=2, hidden=256, heads=4, vocab=2048)
+    spec = model_spec_from_config(cfg, name="narrow", source=base.source)
+    s = Setup(method="lora", checkpointing=True, seq=4096)
+    truth = run_step(cfg, s)
+    assert estimate(spec, s).tensor_peak_bytes == pytest.approx(truth.tensor_peak_bytes, rel=0.03)

@@ -298,6 +298,7 @@ class StepActivationTerms:
     dequantization_forward: int  # one Linear dequantized in the forward (GPTQ; AWQ over 1024 rows)
     dora_norm: int = 0  # DoRA: the widest adapted Linear's weight-norm temporaries (estimator/knobs.py)
     checkpointed_inputs: int = 0  # of ``layers``: the checkpointed layers' inputs
+    layers_inputs: int = 0  # of ``model_io``: what every layer keeps from outside through its backward
 
 
 def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
@@ -346,6 +347,7 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
         logits_forward=logits_fwd, logits_backward=logits_bwd, attention_backward=T_attn, dequantization=T_deq,
         dequantization_forward=T_deq_fwd, dora_norm=knobs.dora_forward_transient(model, aset),
         checkpointed_inputs=int(L_ck * kept_tok) if setup.checkpointing else 0,
+        layers_inputs=int(act.layers_inputs_per_token(loss_model or model, aset) * N),
     )
 
 
@@ -443,8 +445,9 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
         G_head = head_params(model) * weight_dtype_bytes(setup)
         G_layer = (G - G_head) / max(L, 1)
         # with accumulation, every gradient exists from the first micro-batch on
-        first = base + cast_top + (G if accum_grads else G_head) + A_top + top_extra
-        last = base + cast_bottom + (G if accum_grads else G - G_layer) + bottom_kept + bottom_extra
+        # (the layers' backward still holds RoPE's cos/sin and a checkpointed masked layer's mask: layers_inputs)
+        first = base + cast_top + (G if accum_grads else G_head) + A_top + top_extra + a.layers_inputs
+        last = base + cast_bottom + (G if accum_grads else G - G_layer) + bottom_kept + bottom_extra + a.layers_inputs
         # tied embeddings: autograd's InputBuffer sums the head's and the embedding's gradient
         # out of place, so both and their sum coexist before the parameter's .grad is set (with
         # accumulation, beside the .grad of the earlier micro-batches)
@@ -453,14 +456,14 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
         backward = max(start, first, last, end)
     else:
         # the top layer's backward: log-probs and logits gradients are gone by then
-        first = base + cast_top + accum_grads + A_top + top_extra
-        last = base + cast_bottom + G + bottom_kept + bottom_extra
+        first = base + cast_top + accum_grads + A_top + top_extra + a.layers_inputs
+        last = base + cast_bottom + G + bottom_kept + bottom_extra + a.layers_inputs
         backward = max(start, first, last, base + G)
     optimizer = W + A_w + G + S + T_opt + st.buffers + act_offload.stale_bytes(model, setup)  # (TRL holds them)
     if setup.optimizer_in_backward:  # G is one parameter's (estimator/knobs.py); a tied one's meet at the end
         tied, G_in = knobs.tied_gradient_bytes(model, setup), knobs.in_backward_gradient(model, setup, in_layers=True)
-        first = base + cast_top + G_in + tied + A_layers + top_extra
-        last = base + cast_bottom + G_in + tied + bottom_kept + bottom_extra
+        first = base + cast_top + G_in + tied + A_layers + top_extra + a.layers_inputs
+        last = base + cast_bottom + G_in + tied + bottom_kept + bottom_extra + a.layers_inputs
         start += knobs.in_backward_head_gradient(model, setup)
         backward = max(start, first, last, base + max(G, 3 * tied) + c * N * h)
         optimizer = W + A_w + S + st.buffers

@@ -144,23 +144,22 @@ class Search:
         ev = self.ev
         configs = self.space.savers(family)
         mb0 = self.shape.micro_batches[0]
-        # monotone feasibility per placement: the config with every saver on is the floor there
-        floors: dict[tuple, Setup] = {}
-        for s in configs:
-            key = placement_key(s)
-            if key not in floors or saving(s) > saving(floors[key]):
-                floors[key] = s
+        # monotone feasibility per placement: a config with every saver it can take on is a floor there;
+        # savers that exclude each other (Liger's kernels and TRL's activation offloading) give several
+        floors = _floors(configs)
         verdict: dict[tuple, bool] = {}
         lowest: Candidate | None = None
 
         def feasible(key: tuple) -> bool:
             nonlocal lowest
             if key not in verdict:
-                judged = ev.judge(ev.at_micro(floors[key], mb0))
-                verdict[key] = judged.fits
-                if judged.breakdown is not None and (lowest is None
-                                                     or judged.device_total_bytes < lowest.device_total_bytes):
-                    lowest = judged
+                verdict[key] = False
+                for floor in floors[key]:
+                    judged = ev.judge(ev.at_micro(floor, mb0))
+                    verdict[key] = verdict[key] or judged.fits
+                    if judged.breakdown is not None and (lowest is None
+                                                         or judged.device_total_bytes < lowest.device_total_bytes):
+                        lowest = judged
             return verdict[key]
 
         bests: list[Candidate] = []
@@ -202,6 +201,17 @@ class Search:
         better = self.ev.judge(self.ev.at_micro(c.setup, biggest))
         return better if better.fits and better.tokens_per_s > c.tokens_per_s else c
 
+    def smallest_micro_batch(self, c: Candidate) -> Candidate:
+        """With the micro-batch free, ``c`` at the smallest micro-batch of the search (a tight plan's:
+        the most headroom inside the card, the error band aside), when it fits."""
+        if self.shape.per_gpu is not None or len(self.shape.micro_batches) < 2:
+            return c
+        smallest = self.shape.micro_batches[0]
+        if c.setup.batch <= smallest:
+            return c
+        small = self.ev.judge(self.ev.at_micro(c.setup, smallest))
+        return small if small.fits else c
+
     def run(self) -> Result:
         families = self.space.families()
         if not families:
@@ -214,6 +224,26 @@ class Search:
             if lowest is not None:
                 floors.append(lowest)
         return Result(self, families, bests, floors)
+
+
+def _floors(configs: list[Setup]) -> dict[tuple, list[Setup]]:
+    """Per placement, the configs whose savers no other config there includes (:func:`saving`, compared
+    element by element): one, the config with every saver on, unless two savers exclude each other."""
+    by_key: dict[tuple, list[Setup]] = {}
+    for s in configs:
+        by_key.setdefault(placement_key(s), []).append(s)
+    out: dict[tuple, list[Setup]] = {}
+    for key, group in by_key.items():
+        sav = [saving(s) for s in group]
+        top = max(range(len(group)), key=lambda i: sav[i])  # (the lexicographic maximum, judged first)
+        maximal = [group[top]]
+        for i, s in enumerate(group):
+            if i != top and not any(j != i and sav[j] != sav[i] and all(x >= y for x, y in zip(sav[j], sav[i],
+                                                                                             strict=True))
+                                    for j in range(len(group))) and sav[i] != sav[top]:
+                maximal.append(s)
+        out[key] = maximal
+    return out
 
 
 @dataclass
@@ -242,6 +272,17 @@ class Result:
         if refined is not chosen:
             self.bests[self.bests.index(chosen)] = refined
         return refined
+
+    def choose_tight(self) -> Candidate | None:
+        """The choice when nothing fits inside the margins (a ``strict=False`` search): :meth:`choose`'s
+        candidate at its smallest micro-batch, so that the step keeps what headroom the card allows."""
+        chosen = self.choose()
+        if chosen is None:
+            return None
+        small = self.search.smallest_micro_batch(chosen)
+        if small is not chosen:
+            self.bests[self.bests.index(chosen)] = small
+        return small
 
     def fastest(self) -> float | None:
         return max((c.tokens_per_s for c in self.bests), default=None)

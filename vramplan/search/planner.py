@@ -110,7 +110,7 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
     if chosen is None:
         loose_result = Search(spec, target, shape, fixed, error_band, strict=False, ranks=ranks,
                               brief=not details).run()
-        loose = loose_result.choose()
+        loose = loose_result.choose_tight()
         if loose is not None:
             result, chosen, tight = loose_result, loose, True
     host = {"host_ram_bytes": ram, "host_ram_source": source}

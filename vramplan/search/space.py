@@ -19,7 +19,14 @@ from ..estimator.knobs import IN_BACKWARD_OPTIMIZERS
 from ..estimator.layer_split import check_supported as layer_split_supported
 from ..estimator.liger import LIGER_FAMILIES
 from ..estimator.selective import check_selective
-from ..setup.checks import check, check_activation_offload, check_framework, check_fsdp2
+from ..setup.checks import (
+    TUPLE_ROUTERS,
+    attention_targets,
+    check,
+    check_activation_offload,
+    check_framework,
+    check_fsdp2,
+)
 from ..setup.compat import known_failures, runs
 from ..specs import GpuSpec, ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
@@ -118,6 +125,9 @@ class Space:
                     values.update(method=method, quant=quant,
                                   lora_rank=r if method != "full" else f.get("lora_rank", 16),
                                   precision=p, seq=self.shape.seq, gpus=self.target.gpus)
+                    if method != "full" and "lora_targets" not in f and self.model.family in TUPLE_ROUTERS:
+                        # all-linear wraps a router that returns a tuple and fails in peft (setup/checks.py)
+                        values["lora_targets"] = attention_targets(self.model)
                     try:
                         s = Setup(**values)
                         check(self.model, s)
@@ -425,6 +435,13 @@ def saving(s: Setup) -> tuple[int, ...]:
 
 def liger_applies(model: ModelSpec, family: Setup) -> bool:
     """Liger's kernels are a search choice where they are modelled: the families of
-    estimator/liger.py, a 16/32-bit base, transformers' loss (Liger's fused loss replaces it)."""
-    return (model.family in LIGER_FAMILIES and family.quant == "none" and family.loss == "hf"
-            and family.objective == "sft")  # DPO/GRPO: TRL's fused head (estimator/objectives.py)
+    estimator/liger.py, with transformers' loss on a 16/32-bit base (Liger's fused loss replaces it),
+    or with TRL's head on a 16-bit, NF4/FP4 or LLM.int8 base (TRL keeps its head and applies the layer
+    kernels; validate --knob liger); not under Unsloth (its own kernels). The HF recipe's quantized
+    bases take ``--liger`` when asked (verified too) but its search leaves it out: where the HF recipe
+    needs it to stay in VRAM the default plan turns to TRL, and a bigger card then never plans slower."""
+    if model.family not in LIGER_FAMILIES or family.objective != "sft":  # DPO/GRPO: TRL's fused head
+        return False
+    if family.loss == "trl":
+        return family.quant in ("none", "nf4", "fp4", "int8") and family.framework != "unsloth"
+    return family.quant == "none" and family.loss == "hf"

@@ -286,6 +286,11 @@ def fsdp_lora_crashes(model: ModelSpec, setup: Setup) -> bool:
 TUPLE_ROUTERS = {"phimoe": "PhimoeTopKRouter (modeling_phimoe.py)"}
 
 
+def attention_targets(model: ModelSpec) -> str:
+    """The model's attention projections as ``--lora-targets`` (comma-separated module names)."""
+    return ",".join(dict.fromkeys(l.name for l in model.linears if l.role == "attn"))
+
+
 def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:
     targeted, unmatched = lora_targets(model, setup)
     known = ", ".join(dict.fromkeys(l.name for l in model.linears))
@@ -295,7 +300,7 @@ def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:
     warnings = [f"--lora-targets {t!r} matches no Linear of {model.name} (ignored); its Linears: {known}"
                 for t in unmatched]
     if model.family in TUPLE_ROUTERS and any(l.role == "router" for l in targeted):
-        attn = ",".join(dict.fromkeys(l.name for l in model.linears if l.role == "attn"))
+        attn = attention_targets(model)
         raise SpecError(f"LoRA on {model.name}'s router does not run: transformers 5.24's "
                         f"{TUPLE_ROUTERS[model.family]} is an nn.Linear whose forward returns (logits, routing "
                         "weights, expert indices), and peft's LoRA layer adds its output to that tuple; target the "
