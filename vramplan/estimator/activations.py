@@ -286,6 +286,12 @@ def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "me
     return common, (moe * nm + dense * nd) / model.num_layers
 
 
+#: Expert activations that keep more than SwiGLU's output, in ``ei``-wide tensors per routed row beyond it:
+#: gpt-oss's clamped SwiGLU (modeling_gpt_oss.py ``_apply_gate``: the clamped gate, sigmoid(alpha x gate),
+#: up + 1 and their product, where a SwiGLU keeps one output; its clamps save their inputs, views of gate_up).
+MOE_GATE_EXTRA = {"gpt_oss": 3}
+
+
 def moe_layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     """The MLP of one MoE layer per token.
 
@@ -308,7 +314,7 @@ def moe_layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     if lora_moe:
         router += c * h  # the LoRA-merged router weight trains: its input is kept
     weight_bytes = 4 if model.family == "mixtral" else c
-    routed = 24 * k + k * (c * 2 * ei + c * ei + weight_bytes + c * h)
+    routed = 24 * k + k * (c * 2 * ei + c * ei * (1 + MOE_GATE_EXTRA.get(model.family, 0)) + weight_bytes + c * h)
     if experts_train:
         routed += k * (c * h + c * ei)
     shared = 0.0
