@@ -227,22 +227,18 @@ class Search:
 
 
 def _floors(configs: list[Setup]) -> dict[tuple, list[Setup]]:
-    """Per placement, the configs whose savers no other config there includes (:func:`saving`, compared
-    element by element): one, the config with every saver on, unless two savers exclude each other."""
-    by_key: dict[tuple, list[Setup]] = {}
+    """Per placement, a config for each saver set no other set there includes (:func:`saving`, compared
+    element by element), the lexicographically largest first: one, every saver on, unless two savers
+    exclude each other."""
+    by_key: dict[tuple, dict[tuple, Setup]] = {}
     for s in configs:
-        by_key.setdefault(placement_key(s), []).append(s)
+        by_key.setdefault(placement_key(s), {}).setdefault(saving(s), s)
     out: dict[tuple, list[Setup]] = {}
-    for key, group in by_key.items():
-        sav = [saving(s) for s in group]
-        top = max(range(len(group)), key=lambda i: sav[i])  # (the lexicographic maximum, judged first)
-        maximal = [group[top]]
-        for i, s in enumerate(group):
-            if i != top and not any(j != i and sav[j] != sav[i] and all(x >= y for x, y in zip(sav[j], sav[i],
-                                                                                             strict=True))
-                                    for j in range(len(group))) and sav[i] != sav[top]:
-                maximal.append(s)
-        out[key] = maximal
+    for key, sets in by_key.items():
+        def dominated(t: tuple, sets=sets) -> bool:
+            return any(u != t and all(x >= y for x, y in zip(u, t, strict=True)) for u in sets)
+
+        out[key] = [sets[t] for t in sorted(sets, reverse=True) if not dominated(t)]
     return out
 
 
@@ -262,27 +258,21 @@ class Result:
         speeds the plans would run at."""
         tiers = rank.tier_bests(self.bests)
         for c in tiers.values() if len(tiers) > 1 else ():
-            refined = self.search.refine_micro_batch(c)
-            if refined is not c:
-                self.bests[self.bests.index(c)] = refined
+            self._replace(c, self.search.refine_micro_batch(c))
         chosen = rank.choose(self.bests)
-        if chosen is None:
-            return None
-        refined = self.search.refine_micro_batch(chosen)
-        if refined is not chosen:
-            self.bests[self.bests.index(chosen)] = refined
-        return refined
+        return None if chosen is None else self._replace(chosen, self.search.refine_micro_batch(chosen))
 
     def choose_tight(self) -> Candidate | None:
         """The choice when nothing fits inside the margins (a ``strict=False`` search): :meth:`choose`'s
         candidate at its smallest micro-batch, so that the step keeps what headroom the card allows."""
         chosen = self.choose()
-        if chosen is None:
-            return None
-        small = self.search.smallest_micro_batch(chosen)
-        if small is not chosen:
-            self.bests[self.bests.index(chosen)] = small
-        return small
+        return None if chosen is None else self._replace(chosen, self.search.smallest_micro_batch(chosen))
+
+    def _replace(self, old: Candidate, new: Candidate) -> Candidate:
+        """``new`` in ``old``'s place among the bests (a refined micro-batch of it)."""
+        if new is not old:
+            self.bests[self.bests.index(old)] = new
+        return new
 
     def fastest(self) -> float | None:
         return max((c.tokens_per_s for c in self.bests), default=None)
