@@ -286,3 +286,41 @@ def test_an_8gb_card_plans_a_tight_run_in_vram_over_zero3_offload(card, model):
     assert "ZeRO-3" in note and "--framework hf" in note
     hf = json.loads(runner.invoke(main, ["plan", model, "--gpu", card, "--framework", "hf", "--json"]).stdout)
     assert hf["setup"]["zero_stage"] == 3 and hf["setup"]["offload_params"] == "cpu"
+
+
+def test_a_tight_8gb_plan_says_the_longest_sequence_that_keeps_the_headroom():
+    """Qwen2.5-7B on an 8 GB card at 2048 tokens is tight (the card class's calibration, as the CLI plans);
+    the plan names the longest multiple of 256 tokens at which the same setup keeps the 10 % headroom, and
+    that length's estimate keeps it while 256 more do not (the ±band is kept at no length: the weights alone
+    take most of the card)."""
+    from vramplan.estimator.corrections import calibration_for
+
+    gpu = load_gpu("rtx-4060")
+    corrections = calibration_for(gpu, None, enabled=True)[0]
+    p = plan("qwen2.5-7b", gpu, corrections=corrections)
+    assert p.tight
+    [note] = [n for n in p.notes if n.startswith("with seq ")]
+    seq = int(note.split()[2].rstrip(":"))
+    assert 256 <= seq < 2048 and seq % 256 == 0 and "keeps the 10% headroom" in note and "error band" in note
+    usable = gpu.usable_memory_bytes
+    model = load_model("qwen2.5-7b")
+    at = estimate(model, p.setup.replace(seq=seq), gpu, corrections).device_total_bytes
+    past = estimate(model, p.setup.replace(seq=seq + 256), gpu, corrections).device_total_bytes
+    assert at <= 0.9 * usable < past
+    assert p.notes.index(note) == 1  # right after the tight note
+
+
+def test_framework_any_takes_the_tight_plan_that_needs_least():
+    """Two frameworks train Qwen2.5-7B in VRAM on an 8 GB card, both tight (the card class's calibration):
+    ``any`` takes the one that needs less memory, not the one a token/s faster."""
+    from vramplan.estimator.corrections import calibration_for
+
+    gpu = load_gpu("rtx-4060")
+    corrections = calibration_for(gpu, None, enabled=True)[0]
+    p = plan("qwen2.5-7b", gpu, framework="any", corrections=corrections)
+    others = {f: plan("qwen2.5-7b", gpu, corrections=corrections, **with_framework_defaults({"framework": f}))
+              for f in ("trl", "unsloth")}
+    assert p.tight and all(o.fits and o.tight and o.setup.zero_stage == 0 for o in others.values())
+    least = min(others.values(), key=lambda o: o.breakdown.device_total_bytes)
+    assert p.setup.framework == least.setup.framework
+    assert p.breakdown.device_total_bytes == least.breakdown.device_total_bytes

@@ -126,6 +126,17 @@ def test_tight_plans_say_so():
     plan = vramplan.plan("llama-3.2-1b", GpuSpec.custom(int(need * 1.02)), **fixed)
     assert plan.fits
     assert plan.tight and any(n.startswith("tight") for n in plan.notes), plan.notes
+    # what fits with the margins: the same setup at the longest shorter length (a multiple of 256), and a card
+    [short] = [n for n in plan.notes if n.startswith("with seq ")]
+    seq = int(short.split()[2].rstrip(":"))
+    assert "fits with the margins" in short and seq % 256 == 0 and 256 <= seq < 2048, short
+    card = plan.gpu
+    model = load_model("llama-3.2-1b")
+    room = [estimate(model, Setup(**fixed, seq=n), card).device_total_bytes for n in (seq, seq + 256)]
+    limit = min((card.usable_memory_bytes - ALLOCATOR_ALLOWANCE_BYTES) / (1 + DEFAULT_ERROR_BAND),
+                card.usable_memory_bytes * (1 - DEFAULT_MARGIN))
+    assert room[0] <= limit < room[1]
+    assert any(n.startswith("on ") and "fits with the margins" in n for n in plan.notes), plan.notes
 
 
 def test_every_plan_fits_in_a_fresh_estimate():

@@ -4,10 +4,10 @@ The frameworks differ in how they prepare the model (setup/frameworks.py), so on
 train in VRAM where another needs a distributed engine and CPU offload. ``plan(..., framework="any")``
 plans each of :data:`CANDIDATES` (axolotl stands for LLaMA-Factory too: their preparation is modelled
 alike; Unsloth: estimator/unsloth.py) and takes, in this order: one that fits; one that stays
-resident (no engine or offload on one GPU); the better quality tier (full > LoRA on a 16-bit base >
-8-bit > QLoRA); the faster; the first of :data:`CANDIDATES` on a tie (the HF recipe ``emit``'s
-train.py runs). A note of kind ``framework`` names the choice and each other framework's plan in one
-line."""
+resident (no engine or offload on one GPU); one that fits with the margins (not tight); the better
+quality tier (full > LoRA on a 16-bit base > 8-bit > QLoRA); among tight ones, the one that needs
+least; the faster; the first of :data:`CANDIDATES` on a tie (the HF recipe ``emit``'s train.py runs).
+A note of kind ``framework`` names the choice and each other framework's plan in one line."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ CANDIDATES = ("hf", "trl", "axolotl", "unsloth")
 
 
 def _key(p: Plan, index: int) -> tuple:
-    return (not p.fits, residency(p.setup) if p.fits else 9, -quality(p.setup), -(p.tokens_per_s or 0.0), index)
+    # a plan with the margins before a tight one; among tight ones, the one that needs least
+    room = p.breakdown.device_total_bytes if p.fits and p.tight else 0
+    return (not p.fits, residency(p.setup) if p.fits else 9, p.tight, -quality(p.setup), room,
+            -(p.tokens_per_s or 0.0), index)
 
 
 def _line(p: Plan) -> str:

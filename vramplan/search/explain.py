@@ -6,7 +6,7 @@ All the planner's prose is rendered here from typed values (:class:`~.verdicts.M
 
 from __future__ import annotations
 
-from ..specs import Alternative, GpuSpec, Note, Rejected
+from ..specs import Alternative, Breakdown, GpuSpec, Note, Rejected
 from ..util.units import GiB, gib
 from .core import Result
 from .explain_cp import cp_notes
@@ -26,7 +26,7 @@ from .rank import (
     residency,
     tier,
 )
-from .relax import Relaxation
+from .relax import MIN_SEQ, Relaxation
 from .space import family_key
 from .verdicts import Candidate, Misfit
 
@@ -309,8 +309,9 @@ def no_fit_notes(floor: Candidate, host_only: Candidate | None) -> list[Note]:
     return notes
 
 
-def relaxation_note(r: Relaxation) -> Note:
-    """One "what would fit" line: the relaxed target, and what fits there."""
+def relaxation_note(r: Relaxation, *, margins: bool = False) -> Note:
+    """One "what would fit" line: the relaxed target, and what fits there (``margins``: for a tight
+    plan, what fits with the error band and the headroom kept)."""
     if r.kind == "nothing":
         return Note("nothing tried fits: no bigger shipped card, up to 64 GPUs, shorter sequences or offload",
                     "nothing_would_fit")
@@ -329,7 +330,7 @@ def relaxation_note(r: Relaxation) -> Note:
         head = f"without the fixed {', '.join(r.unpinned)}"
     else:
         raise ValueError(f"unknown relaxation kind {r.kind!r}")
-    return Note(f"{head}: {what}", "what_would_fit")
+    return Note(f"{head}: {'fits with the margins, ' if margins else ''}{what}", "what_would_fit")
 
 
 def tight_note(result: Result, chosen: Candidate, card: GpuSpec) -> Note:
@@ -340,6 +341,26 @@ def tight_note(result: Result, chosen: Candidate, card: GpuSpec) -> Note:
                 f"no plan fits within the ±{ev.band_of(bd):.0%} error band of the estimate and the "
                 f"{result.search.target.margin:.0%} headroom kept ({size(min(band_limit, margin_limit))}), so the "
                 "step may run out of memory", "tight")
+
+
+def shorter_seq_note(result: Result, card: GpuSpec, found: tuple) -> Note:
+    """For a tight plan: the longest sequence at which the same setup fits with the margins, else the
+    longest at which it keeps the headroom alone (``found``: :func:`vramplan.search.relax.longest_seq`)."""
+    ev = result.search.ev
+    both_seq, both_bd, hr_seq, hr_bd = found
+    margin = f"{result.search.target.margin:.0%} headroom"
+
+    def at(bd: Breakdown) -> str:
+        free = 1 - bd.device_total_bytes / card.usable_memory_bytes
+        return f"{size(bd.device_total_bytes)} of {size(card.usable_memory_bytes)}, {free:.0%} free"
+
+    if both_bd is not None:
+        return Note(f"with seq {both_seq}: the same setup fits with the margins ({at(both_bd)})", "what_would_fit")
+    if hr_bd is not None:
+        return Note(f"with seq {hr_seq}: the same setup keeps the {margin} ({at(hr_bd)}) but not the "
+                    f"±{ev.band_of(hr_bd):.0%} error band, which it keeps at no length down to {MIN_SEQ} tokens "
+                    "(the weights alone take most of the card)", "what_would_fit")
+    return Note(f"no sequence down to {MIN_SEQ} tokens leaves the same setup the {margin}", "what_would_fit")
 
 
 def fit_notes(result: Result, chosen: Candidate, *, tight: bool, card: GpuSpec, biggest: int, batch_fixed: bool,

@@ -62,7 +62,11 @@ def switch_framework(run: Callable[..., Plan], fixed: dict[str, Any], chosen: Pl
         if fallback is None and alt.fits and (not chosen.fits or in_vram):
             fallback = alt
         tried.append(alt)
-    return chosen if fallback is None else _switched(fallback, chosen, [p for p in tried if p is not fallback])
+    if fallback is None:
+        return chosen
+    if fallback.tight:  # the plan is the fallback's: its notes say what fits with the margins (planner.py)
+        fallback = run(**with_framework_defaults({**fixed, "framework": fallback.setup.framework}), relax=True)
+    return _switched(fallback, chosen, [p for p in tried if p is not fallback])
 
 
 def _not_resident(p: Plan) -> str:

@@ -16,7 +16,7 @@ from . import explain
 from .core import Search
 from .explain_framework import other_framework, switch_framework
 from .geometry import DEFAULT_MARGIN, HostRamSource, Target, batch_shape, global_batch_of, typical_host_ram
-from .relax import what_would
+from .relax import longest_seq, what_would, with_margins
 from .space import check_fixed, rank_choices
 
 
@@ -148,6 +148,10 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
                               biggest=result.search.biggest_micro_batch(chosen.setup),
                               batch_fixed=shape.per_gpu is not None or "batch" in fixed,
                               dataset_tokens=dataset_tokens)
+    if tight and relax:  # what fits with the margins: right after the tight note
+        roomy = with_margins(spec, target, shape, fixed, error_band, ranks)
+        notes[1:1] = [explain.shorter_seq_note(result, card, longest_seq(result.search.ev, chosen.setup)),
+                      *(explain.relaxation_note(r, margins=True) for r in roomy)]
     return Plan(model=spec.name, setup=chosen.setup, breakdown=chosen.breakdown, gpu=card, nodes=nodes,
                 step_time_s=round(chosen.step.step_s, 4), tokens_per_s=round(chosen.tokens_per_s, 1),
                 alternatives=explain.alternatives(result, chosen), rejected=explain.rejected(result, chosen),

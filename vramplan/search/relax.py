@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..specs import GpuSpec, ModelSpec, SpecError
+from ..specs import Breakdown, GpuSpec, ModelSpec, Setup, SpecError
 from .core import Search
 from .evaluate import HOST_RAM_SHARE, Evaluator
 from .geometry import BatchShape, Target, batch_shape, retarget
@@ -22,6 +23,8 @@ RelaxKind = Literal["more_gpus", "bigger_card", "shorter_seq", "nvme", "host_ram
 MAX_GPUS = 64
 #: Sequences are halved down to this many tokens.
 MIN_SEQ = 128
+#: A tight plan's longest sequence that fits with the margins is a multiple of this many tokens.
+SEQ_STEP = 256
 #: Fixed knobs that do not change what fits (never reported as "without the fixed ...").
 NOT_PINNING = ("lora_alpha", "lora_dropout", "lora_targets", "double_quant", "loss")
 
@@ -148,4 +151,55 @@ def what_would(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[s
             out.append(Relaxation("unpinned", c, unpinned=pinned))
     if not out:
         out.append(Relaxation("nothing"))
+    return out
+
+
+def longest_seq(ev: Evaluator, setup: Setup) -> tuple[int, Breakdown | None, int, Breakdown | None]:
+    """For a tight plan's ``setup``: the longest sequence below its own (a multiple of :data:`SEQ_STEP`,
+    at least :data:`MIN_SEQ`) at which the same setup fits with both margins, and the longest at which it
+    keeps the headroom margin alone, each with its estimate (0, None: none does). Bisection: memory grows
+    with the sequence."""
+
+    def longest(ok: Callable[[Breakdown], bool]) -> tuple[int, Breakdown | None]:
+        best: tuple[int, Breakdown | None] = (0, None)
+        bd = ev.estimate(dataclasses.replace(setup, seq=MIN_SEQ))
+        if not ok(bd):
+            return best
+        best = (MIN_SEQ, bd)
+        lo, hi = 1, (setup.seq - 1) // SEQ_STEP
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            bd = ev.estimate(dataclasses.replace(setup, seq=mid * SEQ_STEP))
+            if ok(bd):
+                best, lo = (mid * SEQ_STEP, bd), mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    both = longest(lambda bd: bd.device_total_bytes <= min(ev.limits(bd)))
+    headroom = longest(lambda bd: bd.device_total_bytes <= ev.limits(bd)[1])
+    return (*both, *headroom)
+
+
+def with_margins(spec: ModelSpec, target: Target, shape: BatchShape, fixed: dict[str, Any], band: float | None,
+                 ranks: tuple[int, ...] | None = None) -> list[Relaxation]:
+    """What fits *with the margins* when the plan is tight: the next shipped card up, and the plan
+    without the fixed knobs (the shorter sequence: :func:`longest_seq`, over the chosen setup)."""
+    out: list[Relaxation] = []
+    from ..model.profiles import gpus as shipped
+
+    for card in sorted(shipped(), key=lambda g: g.usable_memory_bytes):
+        if card.usable_memory_bytes <= target.gpu.usable_memory_bytes:
+            continue
+        c = first_fit(spec, retarget(target, gpu=card), shape, fixed, band, ranks)
+        if c is not None:
+            out.append(Relaxation("bigger_card", c, gpu=card))
+            break
+    # the framework stays: the framework notes name the others (explain_framework.py)
+    pinned = tuple(k for k in fixed if k not in NOT_PINNING and k != "framework")
+    if pinned:
+        c = first_fit(spec, target, shape, {k: v for k, v in fixed.items() if k not in pinned}, band,
+                      None if "lora_rank" in pinned else ranks)
+        if c is not None:
+            out.append(Relaxation("unpinned", c, unpinned=pinned))
     return out
