@@ -300,6 +300,7 @@ def test_the_issue_13_bars_hold_on_the_comparable_published_rows():
         assert s.median_abs_error <= 0.03 and s.p90_abs_error <= 0.10 and s.under_share <= 0.10, (key, s)
     assert summary[("quantity", "allocated")].rows == 13 and summary[("all", "all")].rows == 26
     # the RTX 3090/4090 reserved peaks against their calibrated estimates: inside the fitted bands
-    # (in-sample: sm86 -8.4 % / +13.5 %, sm89 -6.7 % / +16.5 %), median |error| 5.3 %
+    # (in-sample, reserved: sm86 -10.7 % / +15.1 % over 13 rows, sm89 -11.3 % / +19.6 % over 11), median
+    # |error| 4.0 %; 24 rows since the catalogue's Yi-34B and Mistral-7B-v0.2 configs made 6 more comparable
     (mine,) = [s for s in summarize(compare(consumer, estimator=estimator)) if s.group == "all"]
-    assert mine.rows == 18 and mine.median_abs_error <= 0.06 and abs(mine.worst_error) <= 0.17, mine
+    assert mine.rows == 24 and mine.median_abs_error <= 0.06 and abs(mine.worst_error) <= 0.17, mine

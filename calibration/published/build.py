@@ -43,6 +43,19 @@ MODEL_MAP = {
     "mistralai/Mixtral-8x7B-Instruct-v0.1": ("mistralai/Mixtral-8x7B-v0.1", "the Instruct v0.1 config.json has "
                                              "the base v0.1 architecture (vocab 32000, rope_theta 1e6)"),
     "meta-llama/Llama-2-7b-hf": ("meta-llama/Llama-2-7b-hf", ""),
+    # configs the catalogue added (issue 29) after these rows were first excluded for want of one
+    "bigcode/gpt_bigcode-santacoder": ("bigcode/gpt_bigcode-santacoder", ""),
+    "01-ai/Yi-34B": ("01-ai/Yi-34B", "the doc says 'Yi 34B': the base 01-ai/Yi-34B config"),
+    "01-ai/Yi-34B-Chat": ("01-ai/Yi-34B", "the Chat config has the base's architecture (Llama: 60 layers, hidden "
+                                          "7168, 56/8 heads, vocab 64000)"),
+    "01-ai/Yi-6B-Chat": ("01-ai/Yi-6B", "the Chat config has the base's architecture (Llama: 32 layers, hidden "
+                                        "4096, 32/4 heads, vocab 64000)"),
+    "google/gemma-7b": ("google/gemma-7b", ""),
+    "google/gemma-7b-it": ("google/gemma-7b", "the -it config has the base's architecture"),
+    "Mistral 7B v0.2 Base": ("mistralai/Mistral-7B-Instruct-v0.2",
+                             "the Instruct v0.2 config.json has the v0.2 base's architecture (vocab 32000, rope_theta "
+                             "1e6, no sliding window, 32k positions; the community conversions of the base, e.g. "
+                             "alpindale/Mistral-7B-v0.2-hf, carry the same numbers)"),
     "meta-llama/Llama-2-13b-hf": ("meta-llama/Llama-2-13b-hf", ""),
     "meta-llama/Meta-Llama-3-8B": ("meta-llama/Meta-Llama-3-8B", ""),
     "meta-llama/Llama-3.2-1B": ("meta-llama/Llama-3.2-1B", ""),
@@ -87,15 +100,11 @@ REMOTE_CODE = {
 #: models we hold no config for (and do not add: every row of theirs is excluded for another reason too,
 #: or their family has no analytic recipe)
 NO_CONFIG = {
-    "bigcode/gpt_bigcode-santacoder": "model_type gpt_bigcode (multi-query attention) has no analytic family; its "
-                                      "estimate would need the torch meta fallback",
     "ibm/PowerLM-3b": "model_type granite (PowerLM) has no analytic family: llama-like, but logits_scaling divides the "
                       "logits (one more N x V tensor) and embedding/residual/attention multipliers",
-    "01-ai/Yi-": "no config held (Yi: llama architecture)",
     "OpenBuddy/": "no config held (openbuddy-zephyr: mistral architecture)",
     "microsoft/phi-": "no config held (phi-1_5/phi-2)",
     "stabilityai/stablelm-base-alpha": "no config held (stablelm-alpha: gpt_neox)",
-    "google/gemma-7b": "no config held (gemma-7b)",
 }
 
 GPU_MAP = [
@@ -383,6 +392,12 @@ def normalise(row: dict) -> dict:
         else:
             approximations.append("transformers 4.48 per-expert nn.Linear MoE (vramplan models transformers 5's fused "
                                   "3-D experts: the same frozen bf16 bytes, its own routing temporaries)")
+    if base_model.startswith("bigcode/gpt_bigcode") and repo == "foundation-model-stack/fms-acceleration":
+        # read off the 4.48.1 wheel: GPTBigCodeForCausalLM.forward computes its own loss (lines 1177-1186)
+        unexpressible.append("transformers 4.48.1 GPTBigCodeForCausalLM computes its own loss in the logits' bf16 "
+                             "(lm_logits[..., :-1, :].contiguous(), CrossEntropyLoss; modeling_gpt_bigcode.py "
+                             "1177-1186), where vramplan models transformers 5's loss_function (fp32 logits and "
+                             "log-probs): per-token slope measured 479 KB/token, estimated 798")
     if fsdp != "none" and quant in ("nf4", "fp4"):
         precision = "bf16"  # the bf16 packed base (a -mixed QLoRA under FSDP is refused: see above)
     if repo == "foundation-model-stack/fms-acceleration" and quant == "nf4" and fsdp == "none":

@@ -343,9 +343,10 @@ def tight_note(result: Result, chosen: Candidate, card: GpuSpec) -> Note:
                 "step may run out of memory", "tight")
 
 
-def shorter_seq_note(result: Result, card: GpuSpec, found: tuple) -> Note:
-    """For a tight plan: the longest sequence at which the same setup fits with the margins, else the
-    longest at which it keeps the headroom alone (``found``: :func:`vramplan.search.relax.longest_seq`)."""
+def shorter_seq_note(result: Result, chosen: Candidate, card: GpuSpec, found: tuple) -> Note:
+    """For a tight plan: the longest sequence at which the same setup fits with the margins; else, when the
+    plan keeps the headroom margin at its own length, that only the band is missed; else the longest
+    sequence at which it keeps the headroom alone (``found``: :func:`vramplan.search.relax.longest_seq`)."""
     ev = result.search.ev
     both_seq, both_bd, hr_seq, hr_bd = found
     margin = f"{result.search.target.margin:.0%} headroom"
@@ -354,12 +355,16 @@ def shorter_seq_note(result: Result, card: GpuSpec, found: tuple) -> Note:
         free = 1 - bd.device_total_bytes / card.usable_memory_bytes
         return f"{size(bd.device_total_bytes)} of {size(card.usable_memory_bytes)}, {free:.0%} free"
 
+    never = (f"the ±{ev.band_of(chosen.breakdown):.0%} error band it keeps at no length down to {MIN_SEQ} tokens "
+             "(the weights alone take most of the card)")
     if both_bd is not None:
         return Note(f"with seq {both_seq}: the same setup fits with the margins ({at(both_bd)})", "what_would_fit")
+    if chosen.breakdown.device_total_bytes <= ev.limits(chosen.breakdown)[1]:
+        return Note(f"at seq {chosen.setup.seq} the plan keeps the {margin} ({at(chosen.breakdown)}); {never}",
+                    "what_would_fit")
     if hr_bd is not None:
-        return Note(f"with seq {hr_seq}: the same setup keeps the {margin} ({at(hr_bd)}) but not the "
-                    f"±{ev.band_of(hr_bd):.0%} error band, which it keeps at no length down to {MIN_SEQ} tokens "
-                    "(the weights alone take most of the card)", "what_would_fit")
+        return Note(f"with seq {hr_seq}: the same setup keeps the {margin} ({at(hr_bd)}); {never}",
+                    "what_would_fit")
     return Note(f"no sequence down to {MIN_SEQ} tokens leaves the same setup the {margin}", "what_would_fit")
 
 

@@ -150,7 +150,7 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
                               dataset_tokens=dataset_tokens)
     if tight and relax:  # what fits with the margins: right after the tight note
         roomy = with_margins(spec, target, shape, fixed, error_band, ranks)
-        notes[1:1] = [explain.shorter_seq_note(result, card, longest_seq(result.search.ev, chosen.setup)),
+        notes[1:1] = [explain.shorter_seq_note(result, chosen, card, longest_seq(result.search.ev, chosen.setup)),
                       *(explain.relaxation_note(r, margins=True) for r in roomy)]
     return Plan(model=spec.name, setup=chosen.setup, breakdown=chosen.breakdown, gpu=card, nodes=nodes,
                 step_time_s=round(chosen.step.step_s, 4), tokens_per_s=round(chosen.tokens_per_s, 1),
