@@ -78,8 +78,9 @@ def test_moe_spec():
 
 def test_unknown_model_type_falls_back_to_meta_structure():
     # a family without a recipe: transformers builds it on the meta device
-    cfg = {"model_type": "mpt", "d_model": 256, "n_layers": 2, "n_heads": 4, "vocab_size": 1000}
-    spec = model_spec_from_config(cfg, name="tiny-mpt")
+    cfg = {"model_type": "biogpt", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 512, "vocab_size": 1000}
+    spec = model_spec_from_config(cfg, name="tiny-biogpt")
     assert spec.family == "generic"
     assert spec.params_total == sum(p.numel() for p in meta_model(cfg).parameters())
 
@@ -116,10 +117,10 @@ def test_unknown_model_type_without_transformers_names_the_extra():
         "from vramplan.model.architecture import model_spec_from_config\n"
         "from vramplan.specs import SpecError\n"
         "try:\n"
-        "    model_spec_from_config({'model_type': 'mpt', 'hidden_size': 64})\n"
+        "    model_spec_from_config({'model_type': 'biogpt', 'hidden_size': 64})\n"
         "except SpecError as e:\n"
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "mpt" in out.stdout and "pip install 'vramplan[run]'" in out.stdout
+    assert "biogpt" in out.stdout and "pip install 'vramplan[run]'" in out.stdout

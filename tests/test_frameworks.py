@@ -71,11 +71,13 @@ def test_every_framework_cites_its_version_and_source():
         fw = framework(name)
         assert fw.version and fw.source and fw.title
         assert fw.kbit_adapter_bytes in (2, 4) and fw.default_loss
-    assert [n for n in FRAMEWORKS if framework(n).not_modelled] == ["torchtune"]
+    assert [n for n in FRAMEWORKS if framework(n).not_modelled] == []
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--framework", "torchtune"], "torchtune runs its own model implementation"),
+    (["--framework", "torchtune", "--precision", "bf16-mixed"], "modelled for its configs' dtype: bf16"),
+    (["--framework", "torchtune", "--precision", "bf16", "--activation-offload", "--checkpointing"],
+     "OffloadActivations"),
     (["--framework", "trl", "--zero", "2", "--gpus", "2"], "with ZeRO, FSDP"),
     (["--framework", "trl", "--objective", "dpo"], "modelled for SFT"),
     (["--framework", "axolotl", "--modules-to-save", "lm_head"], "modules_to_save or DoRA"),

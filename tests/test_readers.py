@@ -398,7 +398,7 @@ EXPECTED = {
     "torchtune/llama3_1_8B_lora_single_device.yaml": (
         "torchtune",
         "meta-llama/Llama-3.1-8B",
-        {
+        {"framework": "torchtune",
             "method": "lora",
             "lora_rank": 8,
             "lora_alpha": 16,
@@ -414,7 +414,7 @@ EXPECTED = {
     "torchtune/llama3_2_1B_full_single_device.yaml": (
         "torchtune",
         "meta-llama/Llama-3.2-1B",
-        {
+        {"framework": "torchtune",
             "method": "full",
             "batch": 4,
             "grad_accum": 1,
@@ -427,7 +427,7 @@ EXPECTED = {
     "torchtune/llama3_2_1B_lora_single_device.yaml": (
         "torchtune",
         "meta-llama/Llama-3.2-1B",
-        {
+        {"framework": "torchtune",
             "method": "lora",
             "lora_rank": 64,
             "lora_alpha": 128,
@@ -443,7 +443,7 @@ EXPECTED = {
     "torchtune/llama3_2_1B_qlora_single_device.yaml": (
         "torchtune",
         "meta-llama/Llama-3.2-1B",
-        {
+        {"framework": "torchtune",
             "method": "qlora",
             "quant": "nf4",
             "double_quant": True,
@@ -461,7 +461,7 @@ EXPECTED = {
     "torchtune/qwen2_5_0.5B_full_single_device.yaml": (
         "torchtune",
         "Qwen/Qwen2.5-0.5B",
-        {
+        {"framework": "torchtune",
             "method": "full",
             "batch": 2,
             "grad_accum": 8,

@@ -385,13 +385,14 @@ def normalise(row: dict) -> dict:
 
     # --- model-specific knobs
     if base_model.startswith("mistralai/Mixtral") and repo == "foundation-model-stack/fms-acceleration":
+        # the record's versions choose the Stack (transformers 4.48.1): per-expert nn.Linear experts, quantized by
+        # bitsandbytes on a 4-bit base, and MixtralSparseMoeBlock's routing loop (vramplan/estimator/moe_4x.py,
+        # checked against the real 4.48.1 + peft 0.13.2 step: calibration/published/moe_4x_probe.py)
+        notes.append("transformers 4.48.1's per-expert nn.Linear experts and routing loop: estimated with "
+                     "Stack(transformers='4.48.1') (vramplan/estimator/moe_4x.py)")
         if quant == "nf4":
-            unexpressible.append("transformers 4.48 Mixtral experts are per-expert nn.Linear, so bitsandbytes "
-                                 "quantizes them; vramplan models transformers 5's fused 3-D experts, which "
-                                 "bitsandbytes skips")
-        else:
-            approximations.append("transformers 4.48 per-expert nn.Linear MoE (vramplan models transformers 5's fused "
-                                  "3-D experts: the same frozen bf16 bytes, its own routing temporaries)")
+            notes.append("bitsandbytes 0.43.3's MatMul4Bit keeps what 0.50's does for the backward (only the packed "
+                         "weight: ctx.tensors = (None, B), read off both), and dequantizes like it in the backward")
     if base_model.startswith("bigcode/gpt_bigcode") and repo == "foundation-model-stack/fms-acceleration":
         # read off the 4.48.1 wheel: GPTBigCodeForCausalLM.forward computes its own loss (lines 1177-1186)
         unexpressible.append("transformers 4.48.1 GPTBigCodeForCausalLM computes its own loss in the logits' bf16 "

@@ -11,6 +11,7 @@ May import: util, specs, bands, setup (the types; no torch, no other stage).
 
 from __future__ import annotations
 
+from . import short_conv  # noqa: F401  (registers LFM2's layers with activations.LAYER_SPLITS)
 from .corrections import DEFAULT_CORRECTIONS, Corrections
 from .lora import lora_params
 from .model_states import optimizer_state_bytes, trainable_params, weights_bytes

@@ -14,8 +14,10 @@ picks flash attention for a causal step without a mask (q, k, v, output, fp32 lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..specs import ModelSpec, Setup
-from . import liger
+from . import alibi, liger, llama4
 from .lora import adapted_linears, converted_moe, expert_lora_params
 from .precision import (
     adapter_dtype_bytes,
@@ -79,6 +81,8 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
     c, q, kv, a, s = compute_bytes(setup), model.q_dim, model.kv_dim, model.num_heads, setup.seq
     t = model.traits
     full = setup.method == "full"
+    if alibi.is_alibi(model):  # BLOOM, MPT, falcon-rw (estimator/alibi.py)
+        return alibi.attention_bytes(model, setup)
     if t.mla is not None and attention_impl(model, setup) != "eager":
         return mla_attention_bytes(model, setup)
     if attention_impl(model, setup) != "eager":
@@ -113,6 +117,8 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
         total += masked_layers(model, setup) / model.num_layers * bias
     if t.qk_norm_rows:
         total += norm_bytes(model, setup, full, width=q + kv, rows=t.qk_norm_rows)
+    if model.family == llama4.FAMILY:  # its RoPE layers' L2 q/k norm, its NoPE layers' scales (estimator/llama4.py)
+        total += llama4.attention_extra_bytes(model, setup)
     return total
 
 
@@ -214,7 +220,7 @@ def _distinct_linear_inputs(model: ModelSpec, roles: tuple[str, ...] | None, *, 
     attention output ``attn_out`` and the MLP's product ``mlp_out`` bytes an element."""
     total, groups = 0.0, set()
     for l in model.linears:
-        if l.role == "head" or (roles is not None and l.role not in roles):
+        if l.role in ("head", "expert") or (roles is not None and l.role not in roles):  # (experts: moe_4x.py)
             continue
         if l.name in OUTPUT_PROJECTIONS:
             total += (attn_out if l.role == "attn" else mlp_out) * l.in_features * l.count
@@ -253,10 +259,18 @@ def is_moe_layer(model: ModelSpec, idx: int) -> bool:
     return model.moe is not None and idx in model.moe.moe_layers
 
 
+#: per-family replacements of :func:`layer_split_per_token`, registered by the module that models the family's
+#: layers (a registry, so that this module imports none of them: estimator/short_conv.py calls back into it)
+LAYER_SPLITS: dict[str, Callable[..., tuple[float, float]]] = {}
+
+
 def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "mean") -> tuple[float, float]:
     """A layer's saved bytes per token as (attention side, MLP side): backward frees the MLP
     side before it reaches the attention and the norms. ``which``: "mean" over the layers, or a
     layer index (dense and MoE layers differ)."""
+    split = LAYER_SPLITS.get(model.family)  # a hybrid's own layer kinds (LFM2: estimator/short_conv.py registers it)
+    if split is not None:
+        return split(model, setup, which)
     h, c = model.hidden_size, compute_bytes(setup)
     t = model.traits
     full = setup.method == "full"
@@ -302,6 +316,12 @@ def moe_layer_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
     the routing weight and the down output it scales; when the expert weights train (full, or
     peft's ParamWrapper on them) also the gathered input and the product down_proj reads.
     """
+    if model.family == llama4.FAMILY:  # every expert on every token, inputs scaled by the router (estimator/llama4.py)
+        return llama4.moe_layer_bytes_per_token(model, setup)
+    if any(l.role == "expert" for l in model.linears):  # transformers 4.x's per-expert loop (estimator/moe_4x.py)
+        from . import moe_4x
+
+        return moe_4x.moe_layer_bytes_per_token(model, setup)
     moe = model.moe
     assert moe is not None
     h, c, k, ei, E = model.hidden_size, compute_bytes(setup), moe.top_k, moe.expert_intermediate_size, moe.num_experts
@@ -391,6 +411,8 @@ def layers_inputs_per_token(model: ModelSpec, setup: Setup) -> float:
         total += 2 * (t.rope_bytes or (4 if mixed(setup) else c)) * model.rope_dim
     if masked_layers(model, setup) and setup.checkpointing:
         total += setup.seq
+    if alibi.is_alibi(model):  # the ALiBi families' masks and biases (estimator/alibi.py)
+        total += alibi.layers_inputs_per_token(model, setup)
     return total
 
 
@@ -421,4 +443,6 @@ def global_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
         total += c * V  # tanh output of the final soft-capping (Gemma2)
     if setup.liger:  # the fused linear cross-entropy (estimator/liger.py)
         total += liger.global_delta_per_token(model, setup)
+    if alibi.is_alibi(model):  # BLOOM's LayerNorm after the embedding (estimator/alibi.py)
+        total += alibi.global_bytes_per_token(model, setup)
     return total

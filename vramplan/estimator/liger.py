@@ -34,8 +34,8 @@ LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 #: Model types liger-kernel 0.8.5 patches (``MODEL_TYPE_TO_APPLY_LIGER_FN``) that are not modelled here.
 LIGER_OTHER_TYPES = (
-    "deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text", "gemma3", "glm4", "gpt_oss", "granite", "llama4_text",
-    "ministral", "mixtral", "nemotron", "olmo2", "olmo3", "phi3", "qwen3_moe", "qwen3_next", "smollm3",
+    "deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text", "gemma3", "glm4", "gpt_oss", "granite", "llama4",
+    "llama4_text", "ministral", "mixtral", "nemotron", "olmo2", "olmo3", "phi3", "qwen3_moe", "qwen3_next", "smollm3",
 )
 
 

@@ -25,7 +25,8 @@ _PATTERN = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe", "deepseek_v2": "qwen
 
 def converted_moe(model: ModelSpec) -> bool:
     """Does peft put LoRA on this model's fused experts and router (see the module docstring)?"""
-    return model.moe is not None and model.family in _PATTERN
+    # (transformers 4.x's per-expert Linears, estimator/moe_4x.py: peft targets them by name, no conversion)
+    return model.moe is not None and model.family in _PATTERN and not any(l.role == "expert" for l in model.linears)
 
 
 def adapted_linears(model: ModelSpec, setup: Setup) -> list[LinearSpec]:

@@ -7,6 +7,8 @@ estimator/fsdp.py). The optimizer rules are in estimator/optimizers.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..specs import ModelSpec, Setup
 from ..util.units import (
     DTYPE_BYTES,
@@ -24,6 +26,19 @@ from .precision import adapter_param_bytes, compute_bytes, kbit_upcast
 def trainable_params(model: ModelSpec, setup: Setup) -> int:
     """Parameters that train: all of them (full fine-tuning) or the LoRA adapters'."""
     return model.params_total if setup.method == "full" else lora_params(model, setup)
+
+
+def text_trained(model: ModelSpec) -> ModelSpec:
+    """The part of ``model`` a text-only full fine-tune gives gradients: an image-text model (Gemma 3, Qwen-VL,
+    Mistral 3) less its vision tower (role ``vision`` Linears, ``vision_tower`` parameters). The step never runs
+    the tower, so autograd leaves their ``.grad`` None, and torch's AdamW/SGD (``if p.grad is None: continue``)
+    and bitsandbytes' 8-bit optimizers (the same test) never create their states. One GPU or DDP only: ZeRO and
+    FSDP allocate flat gradient and optimizer partitions for every parameter that requires grad."""
+    linears = tuple(l for l in model.linears if l.role != "vision")
+    if len(linears) == len(model.linears) and not any(n == "vision_tower" for n, _ in model.other_params):
+        return model
+    return dataclasses.replace(model, linears=linears,
+                               other_params=tuple((n, c) for n, c in model.other_params if n != "vision_tower"))
 
 
 def weight_dtype_bytes(setup: Setup) -> int:

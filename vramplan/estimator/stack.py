@@ -3,8 +3,9 @@
 The estimator's formulas are read off transformers 5, torch 2.13, peft 0.21, accelerate 1.15,
 bitsandbytes 0.50, deepspeed 0.19 and flash-attn 2.7 (``MODELLED_VERSIONS``). A ``Stack`` names another transformers
 version where a known boundary changes memory; each boundary is a predicate here, with the source
-it was read from, and the terms that depend on it ask the predicate (estimator/transients.py,
-the MoE note of estimator/step.py). Anything not listed is modelled as the default stack.
+it was read from, and the terms that depend on it ask the predicate (estimator/transients.py;
+4.x's per-expert MoE Linears: estimator/moe_4x.py, which ``estimate()`` builds the model with).
+Anything not listed is modelled as the default stack.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Stack:
         """transformers 4.x builds MoE experts as per-expert ``nn.Linear`` modules (4.48.1
         modeling_mixtral.py: ``MixtralBlockSparseTop2MLP`` w1/w2/w3), which bitsandbytes
         quantizes and peft can target one by one; transformers 5 fuses them into 3-D parameters
-        that ``replace_with_bnb_linear`` skips."""
+        that ``replace_with_bnb_linear`` skips. Modelled in estimator/moe_4x.py (weights, routing
+        loop, LoRA targets)."""
         return _before("moe_experts_linear", self.transformers)
 
     @property
@@ -112,8 +114,8 @@ def moe_experts_4x_saving_bytes(model: ModelSpec, setup: Setup) -> int:
     transformers 5, whose fused 3-D experts stay unquantized and are upcast to fp32 by
     ``prepare_model_for_kbit_training``. Before any sharding; 0 for a dense model or a 16-bit base."""
     experts, tensors = _expert_tensors(model)
-    if not experts or setup.quant not in ("nf4", "fp4", "int8"):
-        return 0
+    if not experts or setup.quant not in ("nf4", "fp4", "int8") or model.family == "llama4":
+        return 0  # (Llama 4's experts were fused 3-D tensors in transformers 4 too: Llama4TextExperts since 4.51)
     per = experts // tensors
     if setup.quant == "int8":
         quantized = experts + 4 * tensors * (model.moe.expert_intermediate_size * 2 + model.hidden_size) // 3
@@ -124,8 +126,8 @@ def moe_experts_4x_saving_bytes(model: ModelSpec, setup: Setup) -> int:
 
 def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
     """What the estimate says about the library versions it models: a non-default stack names
-    itself and the boundaries it applies; a quantized MoE base states the other major version's
-    weights (the cheap half of the transformers 4/5 difference: routing temporaries differ too)."""
+    itself and the boundaries it applies (4.x's per-expert MoE Linears: estimator/moe_4x.py's note);
+    under transformers 5 a quantized MoE base states what 4.x's quantized experts would take less."""
     notes = []
     fsdp1_reentrant = (stack.reentrant_checkpointing and setup.checkpointing and setup.fsdp != "none"
                        and setup.fsdp_version == 1)
@@ -135,14 +137,12 @@ def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
                if flag]
     if not stack.is_default:
         notes.append(f"models {stack.describe()}" + (f" (applied: {', '.join(applied)})" if applied else ""))
+    if stack.moe_experts_linear and any(l.role == "expert" for l in model.linears):  # the model moe_4x.py built
+        from .moe_4x import note
+
+        notes.append(note(model, setup, stack.transformers))
     saving = moe_experts_4x_saving_bytes(model, setup)
-    if saving:
-        less = gib(saving, 1)
-        if stack.moe_experts_linear:
-            notes.append(f"transformers {stack.transformers} quantizes the per-expert nn.Linear layers: the base takes "
-                         f"{less} GiB less (before sharding) than these weights, which are transformers 5's fp32 "
-                         "fused experts; routing temporaries are transformers 5's too")
-        else:
-            notes.append(f"under transformers 4.x (per-expert nn.Linear layers, quantized by bitsandbytes) the base "
-                         f"would take {less} GiB less (before sharding); this estimate models transformers 5")
+    if saving and not stack.moe_experts_linear:  # (under 4.x the experts are Linears: estimator/moe_4x.py)
+        notes.append(f"under transformers 4.x (per-expert nn.Linear layers, quantized by bitsandbytes) the base "
+                     f"would take {gib(saving, 1)} GiB less (before sharding); this estimate models transformers 5")
     return notes

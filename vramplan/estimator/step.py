@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from ..bands import DEFAULT_ERROR_BANDS
 from ..setup.checks import check
 from ..specs import PHASES, Breakdown, Component, GpuSpec, ModelSpec, Setup
-from . import act_offload, cache, eval_step, knobs, objectives, selective, transients, unsloth, vllm_share
+from . import act_offload, cache, eval_step, knobs, moe_4x, objectives, selective, transients, unsloth, vllm_share
 from . import activations as act
+from . import alibi as alibi_recipe
 from . import layer_split_memory as split_memory
+from . import llama4 as llama4_recipe
 from . import optimizers as opt_rules
+from .autocast import AutocastCache, autocast_cache
 from .cache import memoized
 from .components import step_components
 from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
@@ -36,6 +39,7 @@ from .model_states import (
     optimizer_state_bytes,
     optimizer_step_transient_bytes,
     prequantized_linears,
+    text_trained,
     trainable_params,
     weight_dtype_bytes,
     weights_bytes,
@@ -62,6 +66,7 @@ def estimate(
 
     The step's tensor terms (:func:`tensor_terms`) are the same on every card unless :func:`card_terms`;
     they are kept per value (estimator/cache.py) and the card's device terms put on them here."""
+    model = moe_4x.model_for(model, stack, setup)  # transformers 4.x: per-expert MoE Linears (estimator/moe_4x.py)
     one_rank = rank_estimator(setup)  # pp, cp or tp: one stage's / rank's estimate (estimator/parallel_rank.py)
     if one_rank is not None:
         return one_rank(model, setup, gpu, corrections, stack, estimate)
@@ -147,13 +152,14 @@ def tensor_terms(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correction
     single = _model_states(model, setup)
     notes = _checked(model, setup, gpu, stack)  # raises SpecError for a setup peft would refuse
     rest = stack_notes(model, setup, stack)
-    cast = _autocast_cache(model, setup)
+    cast = autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)
     pset = setup if setup.objective == "sft" else objectives.policy_setup(setup, stack)  # DPO/GRPO rows
     acts = _activations(model, pset, stack, setup, loss_model or model, attention_floor)
     if setup.loss == "unsloth" and gpu is not None:  # its chunks follow the memory free at the first loss
         acts = unsloth.on_card(model, setup, gpu, states.weights + states.adapters + states.optimizer_states, acts)
     phase_peaks, recompute = _phase_peaks(model, pset, states, cast, acts, stack)
+    states, acts, phase_peaks, recompute = transients.framework_step(model, setup, states, acts, phase_peaks, recompute)
     phase_peaks = {p: b + unsloth.dequantization_buffer_bytes(model, setup) for p, b in phase_peaks.items()}
     split = None
     if setup.device_map != "none":  # a layer split: the fullest GPU's terms (estimator/layer_split_memory.py)
@@ -207,48 +213,16 @@ def _model_states(model: ModelSpec, setup: Setup) -> ModelStates:
     """Weights, adapters, gradients, optimizer states and step transient of one unsharded GPU
     (with what modules_to_save and DoRA train beside the adapters: estimator/knobs.py)."""
     k = knobs.knob_states(model, setup)
+    trained = text_trained(model) if setup.method == "full" else model  # a vision tower gets no gradient
     states = ModelStates(
         weights=weights_bytes(model, setup), adapters=adapter_bytes(model, setup) + k.weights,
-        gradients=gradient_bytes(model, setup) + k.gradients,
-        optimizer_states=optimizer_state_bytes(model, setup) + k.optimizer_states,
-        optimizer_step=optimizer_step_transient_bytes(model, setup) + k.optimizer_step, trained_modules=k.weights,
+        gradients=gradient_bytes(trained, setup) + k.gradients,
+        optimizer_states=optimizer_state_bytes(trained, setup) + k.optimizer_states,
+        optimizer_step=optimizer_step_transient_bytes(trained, setup) + k.optimizer_step, trained_modules=k.weights,
     )
     if setup.optimizer_in_backward:  # one parameter's gradient (and step) at a time
         states = dataclasses.replace(states, gradients=knobs.in_backward_gradient(model, setup), optimizer_step=0)
     return states
-
-
-@dataclass(frozen=True)
-class AutocastCache:
-    """Mixed precision: autocast casts each Linear weight to half once per forward and every
-    matmul keeps its copy for backward: all of them at the loss, freed layer by layer in backward."""
-
-    total: int = 0
-    head: int = 0  # the head's (or tied embedding's) copy
-    layer: float = 0.0  # one decoder layer's copies
-
-
-def _autocast_cache(model: ModelSpec, setup: Setup) -> AutocastCache:
-    cast_cache = cast_head = 0
-    if setup.precision in ("bf16-mixed", "fp16-mixed"):
-        # a quantized Linear runs bitsandbytes' own matmul (not autocast's): only the head casts
-        cast_cache = sum(l.count * l.weight_params for l in model.linears
-                         if setup.quant == "none" or l.role == "head") * 2
-        if model.tie_word_embeddings:  # the tied head casts the embedding matrix
-            cast_cache += model.vocab_size * model.hidden_size * 2
-        cast_head = sum(l.count * l.weight_params for l in model.linears if l.role == "head") * 2
-        if model.tie_word_embeddings:
-            cast_head += model.vocab_size * model.hidden_size * 2
-        if setup.liger:  # the fused linear cross-entropy casts the head in its forward only (estimator/liger.py)
-            cast_cache, cast_head = cast_cache - cast_head, 0
-    layer = (cast_cache - cast_head) / max(model.num_layers, 1)
-    if setup.adapters and selective.selective(setup):
-        # autocast caches only leaf tensors that require grad (torch 2.13 autocast_mode.cpp,
-        # cached_cast): a frozen base weight's half copy lives as its matmul's saved tensor, which a
-        # checkpointed layer drops; only the layers kept in full hold theirs to backward
-        kept_layers = model.num_layers - selective.checkpointed_count(setup, model.num_layers)
-        cast_cache = int(cast_head + layer * kept_layers)
-    return AutocastCache(cast_cache, cast_head, layer)
 
 
 def _per_rank_states(model: ModelSpec, setup: Setup, single: ModelStates, cast: AutocastCache) -> ModelStates:
@@ -363,6 +337,11 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     saved = (attn_side + mlp_side + knobs.dora_saved_per_token(model, aset)) * N + merged + a.dequantized_layer
     t_mlp = (transients.mlp_backward_transient_per_token(model, aset, idx) * N
              + knobs.dora_backward_transient(model, aset))
+    if merged == 0 and act.is_moe_layer(model, idx) and moe_4x.has_linear_experts(model):  # 4.x's expert loop
+        t_mlp = moe_4x.backward_transient_per_token(model, aset) * N + knobs.dora_backward_transient(model, aset)
+    if act.is_moe_layer(model, idx) and model.family == llama4_recipe.FAMILY:  # every expert's (estimator/llama4.py)
+        t_mlp = (llama4_recipe.moe_backward_transient_per_token(model, aset) * N
+                 + llama4_recipe.moe_backward_transient_fixed(model, aset) + knobs.dora_backward_transient(model, aset))
     if merged:
         t_mlp += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
     # the dequantized weight (down_proj's, first in the MLP's backward) appears beside the
@@ -379,6 +358,8 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     if ck:  # the recomputed forward's widest LoRA projection (DoRA: its weight norm)
         extra = max(extra, transients.lora_forward_peak_per_token(model, aset, idx) * N + c * N * h,
                     saved + knobs.dora_forward_transient(model, aset, recompute=True))
+    if ck and alibi_recipe.is_alibi(model):  # the recomputed eager attention's s x s tensors (estimator/alibi.py)
+        extra = max(extra, alibi_recipe.recompute_transient_per_token(model, aset) * N + c * N * h)
     return extra, kept
 
 
@@ -430,6 +411,9 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
     if setup.checkpointing and merged_total:
         in_layer = base + cast_cache + accum_grads + A_layers + merged_layer + c * N * h * (model.moe.top_k + 2)
     forward = max(at_loss, in_layer)
+    if alibi_recipe.is_alibi(model):  # eager ALiBi attention's s x s tensors in the top layer's forward (alibi.py)
+        forward = max(forward, base + cast_cache + accum_grads + A_layers
+                      + alibi_recipe.forward_transient_per_token(model, setup) * N)
     if setup.dora:  # the last layer's widest DoRA Linear's weight norm (estimator/knobs.py), before the head
         forward = max(forward, base + cast_cache - cast.head + accum_grads + A_layers
                       + knobs.dora_forward_transient(model, setup))
@@ -439,7 +423,7 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
              + a.model_io + a.logits_backward)
     cast_top, cast_bottom = cast_cache - cast.head, cast.layer
     A_top = A_layers - act_offload.top_layers_saving_bytes(model, setup)  # the top layers' backward (offloaded)
-    if setup.adapters and selective.selective(setup) and selective.is_checkpointed(setup, L - 1):
+    if setup.adapters and setup.checkpointing and selective.is_checkpointed(setup, L - 1):
         cast_top += cast.layer  # the recomputed top layer casts its frozen weights again
     if setup.method == "full":
         G_head = head_params(model) * weight_dtype_bytes(setup)
@@ -454,6 +438,14 @@ def _single_gpu_phase_peaks(model: ModelSpec, setup: Setup, st: ModelStates, cas
         tied = (3 if accum_grads else 2) if model.tie_word_embeddings else 0
         end = base + G + tied * model.vocab_size * h * weight_dtype_bytes(setup) + c * N * h
         backward = max(start, first, last, end)
+        m = llama4_recipe.lowest_moe_layer(model) if model.family == llama4_recipe.FAMILY else None
+        if m is not None:  # Maverick's lowest MoE layer: the gradients above it and its expert gradients
+            extra_m, kept_m = _layer_backward(model, setup, a, m)
+            below = sum(a.layer_kept if setup.checkpointing else sum(act.layer_split_per_token(model, a.setup, j)) * N
+                        for j in range(m))
+            done = llama4_recipe.params_not_reached(model, m) * weight_dtype_bytes(setup)
+            backward = max(backward, base + cast_bottom + (G if accum_grads else G - done) + below + kept_m + extra_m
+                           + a.layers_inputs)
     else:
         # the top layer's backward: log-probs and logits gradients are gone by then
         first = base + cast_top + accum_grads + A_top + top_extra + a.layers_inputs

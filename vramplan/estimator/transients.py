@@ -24,6 +24,7 @@ from .precision import (
     compute_bytes,
 )
 from .stack import DEFAULT_STACK, Stack
+from .torchtune import step as framework_step  # noqa: F401  (torchtune's own step, estimator/step.py)
 
 #: Bytes per token, in units of h, of the norm and attention gradients at the worst moment of a
 #: layer's backward (fp32 norm gradients dominate), per norm style and full/LoRA; read off the

@@ -12,7 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 from ..specs import SpecError
-from . import families  # noqa: F401  (registers the builders of model/families.py)
+from . import (  # noqa: F401  (registers the builders of model/families.py, families_lfm2.py, families_vl.py)
+    families,
+    families_alibi,  # (BLOOM's and MPT's, model/families_alibi.py)
+    families_lfm2,
+    families_llama4,  # (Llama 4's and Kimi-K2's, model/families_llama4.py)
+    families_vl,
+)
 from .builders import FAMILIES, gated_mlp, learned_positions, mha_and_mlp
 from .builders import Layers as _Layers
 from .builders import act as _act

@@ -37,10 +37,8 @@ def _heads(cfg: dict, a: int, key: str = "num_key_value_heads") -> int:
 def _falcon(cfg: dict, name: str, source: str) -> ModelSpec:
     """falcon-7b (multi-query, one LayerNorm feeding both branches), falcon-40b/180B and Falcon2-11B
     (``new_decoder_architecture``: grouped KV heads, ``ln_attn`` and ``ln_mlp``). FalconConfig's defaults:
-    multi_query, parallel_attn, no bias, ffn 4h, tied head. ALiBi configs (falcon-rw) are refused."""
-    if cfg.get("alibi"):
-        raise SpecError("Falcon with alibi (falcon-rw-*) is not modelled: its attention adds an (s x s) bias "
-                        "per head; the RoPE Falcons (falcon-7b/40b/180B, Falcon2-11B) are")
+    multi_query, parallel_attn, no bias, ffn 4h, tied head. ALiBi configs (falcon-rw: ``alibi``, no multi-query, biases,
+    sequential attention) have the same tensors; their attention is estimator/alibi.py's."""
     V, h, L = _req(cfg, "vocab_size"), _req(cfg, "hidden_size"), _req(cfg, "num_hidden_layers")
     a = _req(cfg, "num_attention_heads")
     hd = h // a

@@ -78,6 +78,10 @@ class FamilyTraits:
     attn_softcapping: bool = False  # Gemma2's eager attention soft-caps its scores (keeps tanh's output)
     final_logit_softcapping: bool = False  # the logits are soft-capped (Gemma2)
     mla: MlaDims | None = None  # DeepSeek-V2's latent attention
+    conv_layers: tuple[bool, ...] = ()  # per layer, a gated short-convolution block (LFM2); () none
+    rope_layers: tuple[int, ...] = ()  # per layer, RoPE (1) or NoPE (0) where a family mixes them (Llama 4)
+    qk_l2_norm: bool = False  # Llama 4's weightless L2 q/k norm on its RoPE layers (use_qk_norm)
+    attn_temperature_tuning: bool = False  # Llama 4's NoPE layers scale q by a per-position temperature
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,11 @@ def truncate_config(config: dict, num_layers: int) -> dict:
         cfg["attention_types"] = [[cfg["attention_layers"], 1]]
     if isinstance(cfg.get("mlp_only_layers"), list):
         cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
+    if cfg.get("model_type") == "llama4_text" or "intermediate_size_mlp" in cfg:  # Llama 4: a RoPE flag a layer
+        if isinstance(cfg.get("no_rope_layers"), list):
+            cfg["no_rope_layers"] = list(cfg["no_rope_layers"][:num_layers])
+        if isinstance(cfg.get("moe_layers"), list):
+            cfg["moe_layers"] = [i for i in cfg["moe_layers"] if i < num_layers]
     return cfg
 
 

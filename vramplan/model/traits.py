@@ -7,9 +7,9 @@ from .modelspec import FamilyTraits, MlaDims, ModelSpec
 from .textconfig import falcon_norms, text_config
 
 #: the names of a Linear that computes q, k and v in one projection
-_FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "wqkv", "W_pack")
+_FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "wqkv", "W_pack", "Wqkv")
 #: families with learned positions instead of RoPE
-_NO_ROPE = ("gpt2", "gpt_bigcode", "opt", "gpt_neo")
+_NO_ROPE = ("gpt2", "gpt_bigcode", "opt", "gpt_neo", "bloom", "mpt")  # (BLOOM, MPT: ALiBi, model/families_alibi.py)
 
 
 def _p(cfg: dict, *keys: str) -> float:
@@ -23,6 +23,7 @@ def family_traits(spec: ModelSpec) -> FamilyTraits:
     f, cfg = spec.family, text_config(spec.config)
     norm = {"gemma": "rms_fp32_mul", "gemma2": "rms_fp32_mul", "gemma3_text": "rms_fp32_mul",
             "olmo2": "rms_fp32_mul", "olmo3": "rms_fp32_mul", "cohere": "cohere", "cohere2": "cohere",
+            "mpt": "layernorm",  # (F.layer_norm without its bias: the same saves)
             }.get(f, "layernorm" if spec.norm_kind == "layernorm" else "rms")
     norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4, "cohere": 1, "cohere2": 1, "gptj": 1, "phi": 1}.get(f, 2)
     parallel = f in ("cohere", "cohere2", "gptj", "phi") or (f == "stablelm" and bool(cfg.get("use_parallel_residual")))
@@ -50,8 +51,10 @@ def family_traits(spec: ModelSpec) -> FamilyTraits:
         masks = (_p(cfg, "hidden_dropout") > 0) + (sequential and _p(cfg, "attention_dropout") > 0)
     elif f == "starcoder2":
         masks, embed_drop = 2 * (_p(cfg, "residual_dropout") > 0), _p(cfg, "embedding_dropout") > 0
-    elif f == "gpt_neox":
+    elif f in ("gpt_neox", "bloom"):  # (BLOOM: dropout_add after the attention and after the MLP)
         masks = 2 * (_p(cfg, "hidden_dropout") > 0)
+    elif f == "mpt":  # resid_attn_dropout and the MLP's dropout, both attn_config.attn_pdrop
+        masks = 2 * (_p(cfg.get("attn_config") or {}, "attn_pdrop") > 0)
     elif f == "stablelm":
         masks = 1 * (_p(cfg, "hidden_dropout") > 0)
     mla = None
@@ -59,14 +62,32 @@ def family_traits(spec: ModelSpec) -> FamilyTraits:
         mla = MlaDims(qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
                       v_head_dim=cfg["v_head_dim"], kv_lora_rank=cfg["kv_lora_rank"],
                       q_lora_rank=cfg.get("q_lora_rank", 1536) or 0)
+    window, sliding = int(cfg.get("sliding_window") or 0), _sliding_layers(spec)
+    rope_bytes = 4 if f in ("olmo2", "olmo3") else 0
+    rope_layers: tuple[int, ...] = ()
+    if f == "llama4":  # chunked RoPE layers take a mask from attention_chunk_size on, as a window; RoPE's table is one
+        # complex64 freqs_cis of head_dim / 2 a position: the bytes of two 2-byte tables of head_dim
+        from .families_llama4 import llama4_layout
+
+        rope_layers = tuple(llama4_layout(cfg)[1])
+        window = int(cfg.get("attention_chunk_size") or 0)
+        sliding, rope_bytes = (sum(rope_layers) if window else 0), 2
+    conv_layers: tuple[bool, ...] = ()
+    if f == "lfm2":
+        from .families_lfm2 import lfm2_layer_types
+
+        conv_layers = tuple(t == "conv" for t in lfm2_layer_types(spec.config, spec.num_layers))
     return FamilyTraits(
         norm=norm, norms_per_layer=norms, shared_norm=parallel,
         fused_qkv=any(l.name in _FUSED_QKV for l in spec.linears),
-        rope=f not in _NO_ROPE, rope_bytes=4 if f in ("olmo2", "olmo3") else 0, rope_dim=_rope_dim(spec),
+        rope=f not in _NO_ROPE, rope_bytes=rope_bytes, rope_dim=_rope_dim(spec),
         qk_norm_rows=qk_rows, dropout_masks_per_layer=masks, embedding_dropout=embed_drop,
-        sliding_window=int(cfg.get("sliding_window") or 0), sliding_layers=_sliding_layers(spec),
+        sliding_window=window, sliding_layers=sliding,
         attn_softcapping=bool(cfg.get("attn_logit_softcapping")) and f == "gemma2",
         final_logit_softcapping=bool(cfg.get("final_logit_softcapping")), mla=mla,
+        conv_layers=conv_layers, rope_layers=rope_layers,
+        qk_l2_norm=f == "llama4" and bool(cfg.get("use_qk_norm", True)),
+        attn_temperature_tuning=f == "llama4" and bool(cfg.get("attn_temperature_tuning", True)),
     )
 
 

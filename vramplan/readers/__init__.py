@@ -148,6 +148,8 @@ def framework_for(format: str, fields) -> str:
     (setup/frameworks.py): TRL, axolotl and LLaMA-Factory where their preparation is modelled (SFT on
     one GPU or DDP ranks, no GPTQ/AWQ base, modules_to_save or DoRA), else the HF Trainer recipe (their
     ZeRO/FSDP runs prepare as it does there: DeepSpeed's engine casts, FSDP skips the k-bit preparation)."""
+    if format == "torchtune":  # its single-device recipes' own step (estimator/torchtune.py; the builder: its reader)
+        return "torchtune" if _torchtune_modelled(fields) else "hf"
     if format not in ("trl", "axolotl", "llamafactory"):
         return "hf"
     s = fields
@@ -157,6 +159,20 @@ def framework_for(format: str, fields) -> str:
             or s.get("modules_to_save") or s.get("dora"):
         return "hf"
     return format
+
+
+def _torchtune_modelled(fields) -> bool:
+    from ..setup.checks import check_torchtune
+    from ..specs import Setup
+
+    s = {k: v for k, v in dict(fields).items() if k in Setup.__dataclass_fields__}
+    if s.get("fsdp", "none") != "none" or s.get("zero_stage") or s.get("objective", "sft") != "sft":
+        return False
+    try:
+        check_torchtune(Setup(**{**s, "framework": "torchtune"}))
+    except SpecError:
+        return False
+    return True
 
 
 def _framework(format: str, m: Mapped) -> None:

@@ -9,10 +9,12 @@ FSDP2 (``fsdp_reshard_after_forward`` True: full shard; ``fsdp_cpu_offload`` Fal
 and GPU count are not in the config but in the ``tune run [--nproc_per_node N] RECIPE`` line each
 config opens with (read from its comments). ``tokenizer.max_seq_len: null`` does not truncate.
 
-torchtune builds its own modules (``torchtune.models``), not transformers': the estimate is that
-of the same architecture in transformers/peft (names mapped: ``output_proj`` -> ``o_proj``, the
-MLP -> ``gate_proj,up_proj,down_proj``, ``output`` -> ``lm_head``), and QLoRA's torchao NF4 is
-modelled as bitsandbytes NF4 with double quantization.
+torchtune builds its own modules (``torchtune.models``), not transformers': a single-device recipe
+on a Llama 2/3/3.1/3.2, Mistral or Qwen2/2.5 builder in bf16 is read as ``framework: torchtune``, its
+own step (estimator/torchtune.py: its saved activations, chunked loss, torchao NF4); the rest is
+estimated as the same architecture in transformers/peft (names mapped: ``output_proj`` -> ``o_proj``,
+the MLP -> ``gate_proj,up_proj,down_proj``, ``output`` -> ``lm_head``), QLoRA's torchao NF4 as
+bitsandbytes NF4 with double quantization.
 """
 
 from __future__ import annotations
@@ -115,6 +117,38 @@ def read_torchtune(data: dict, path: Path, m: Mapped) -> None:
             m.ignore(key, True, why)
     _recipe(f, path, m)
     _selective(f, path, m)
+    _framework(f, base, m)
+
+
+#: the builders whose single-device recipes estimator/torchtune.py models (its own model; no qlora_qwen2)
+_MODELLED = re.compile(r"^(llama2|llama3|llama3_1|llama3_2|code_llama2|mistral|qwen2|qwen2_5)_")
+
+
+def _framework(f: Fields, base: str, m: Mapped) -> None:
+    """``framework: torchtune`` where torchtune's own step is modelled (estimator/torchtune.py: one GPU,
+    bf16, the Llama/Mistral/Qwen2 builders, no offloading); else the same architecture's HF step, said."""
+    s = m.setup
+    why = None
+    if m.gpus not in (None, 1) or s.get("fsdp"):
+        why = "a distributed recipe (FSDP2)"
+    elif s.get("precision") != "bf16":
+        why = f"dtype {s.get('precision')}"
+    elif not _MODELLED.match(base + "_"):
+        why = f"the {base} builder"
+    elif s.get("quant") == "nf4" and base.startswith("qwen"):
+        why = "QLoRA on Qwen2"
+    else:
+        from . import framework_for  # the Setup-level refusals (setup/checks.py check_torchtune)
+
+        if framework_for("torchtune", s) != "torchtune":
+            why = "this setup (LoRA on the head, selective checkpointing or offloading)"
+    if why is None:
+        s["framework"] = "torchtune"  # its CEWithChunkedOutputLoss is part of its step (Setup.loss stays hf)
+        # torchtune's own NF4 (torchao) is what its step models: bitsandbytes' stand-in is not assumed
+        m.warnings[:] = [w for w in m.warnings if not (w.field == "model._component_" and "bitsandbytes" in w.why)]
+    else:
+        m.assume("model._component_", base, f"torchtune's own step is not modelled for {why}: estimated as the "
+                 "same architecture in transformers/peft")
 
 
 #: the recipes of torchtune 0.6.1 that read ``ac_mode`` / ``ac_option``

@@ -61,6 +61,8 @@ def model_spec_from_meta(config: dict, *, name: str, source: str = "") -> ModelS
     try:
         import torch
         import transformers
+
+        from .models import causal_lm_from_config
     except ImportError:
         raise SpecError(
             f"model_type {mt!r} has no built-in recipe; reading its structure needs transformers: "
@@ -75,7 +77,7 @@ def model_spec_from_meta(config: dict, *, name: str, source: str = "") -> ModelS
             raise SpecError(f"transformers does not know model_type {mt!r}: {str(exc).splitlines()[0]}") from None
         with torch.device("meta"):
             try:
-                model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+                model = causal_lm_from_config(hf_cfg)
             except Exception as exc:  # noqa: BLE001 - any failure here is a config problem for the user
                 raise SpecError(
                     f"cannot build model_type {mt!r} as a causal LM: {str(exc).splitlines()[0]}") from None

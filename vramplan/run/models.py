@@ -36,16 +36,32 @@ def hf_config(config: dict, num_layers: int | None):
     model_type = cfg.pop("model_type")
     for k in ("architectures", "auto_map", "transformers_version", "quantization_config"):
         cfg.pop(k, None)
+    if model_type == "mistral3":
+        # Mistral3Config defaults tie_word_embeddings to True and the Hub files name none, but the checkpoints
+        # hold a separate lm_head, which from_pretrained keeps (24.0B, what vramplan counts); from_config would tie
+        cfg.setdefault("tie_word_embeddings", False)
     return transformers.AutoConfig.for_model(model_type, **cfg)
+
+
+def causal_lm_from_config(hf_cfg, **kwargs):
+    """``AutoModelForCausalLM.from_config``, or for the image-text models it has no class for (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL, Mistral 3) ``AutoModelForImageTextToText``'s, the class their checkpoints load as
+    (a text-only step runs its language model and head; the vision tower holds weights only)."""
+    import transformers
+
+    if type(hf_cfg) not in transformers.AutoModelForCausalLM._model_mapping and \
+            type(hf_cfg) in transformers.AutoModelForImageTextToText._model_mapping:
+        return transformers.AutoModelForImageTextToText.from_config(hf_cfg, **kwargs)
+    return transformers.AutoModelForCausalLM.from_config(hf_cfg, **kwargs)
 
 
 def attn_implementation(config: dict, setup: Setup) -> str:
     """The ``attn_implementation`` the model of ``setup`` is built with: the family's default for
-    ``auto`` (eager for Gemma2, and for gpt-oss and GPT-Neo, whose classes have no SDPA path; else SDPA).
+    ``auto`` (eager for Gemma2, and for gpt-oss, GPT-Neo, BLOOM and MPT, whose classes have no SDPA path; else SDPA).
     FlashAttention-2 needs CUDA; its memory (q, k, v, out, fp32 logsumexp) is what SDPA's flash kernel
     saves, so SDPA runs in its place."""
     if setup.attn == "auto":
-        return "eager" if config.get("model_type") in {"gemma2", "gpt_oss", "gpt_neo"} else "sdpa"
+        return "eager" if config.get("model_type") in {"gemma2", "gpt_oss", "gpt_neo", "bloom", "mpt"} else "sdpa"
     return "sdpa" if setup.attn == "flash" else setup.attn
 
 

@@ -25,6 +25,7 @@ from .models import (
     NotTraceable,
     adapt_for_training,
     attn_implementation,
+    causal_lm_from_config,
     hf_config,
     require_torch,
     torch_optimizer,
@@ -145,7 +146,7 @@ def _label_backward_moments(model, counter: _MomentCounter, num_layers: int) -> 
     """Move the counter's moment along the backward as gradients land in each decoder layer."""
     import re
 
-    layer_of = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+    layer_of = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")  # (blocks: MPT's)
     seen_layer = [False]
 
     def hook_for(idx):
@@ -201,9 +202,7 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
     hf_cfg.use_cache = False
     transformers.logging.set_verbosity_error()
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            hf_cfg, dtype=dtype, attn_implementation=attn_implementation(config, setup)
-        )
+        model = causal_lm_from_config(hf_cfg, dtype=dtype, attn_implementation=attn_implementation(config, setup))
     model = adapt_for_training(model, setup)  # peft and checkpointing on the meta device
 
     counter = _MomentCounter()
@@ -400,7 +399,8 @@ def _extrapolate(a: TraceNumbers, b: TraceNumbers, num_layers: int) -> TraceNumb
 def _num_layers(config: dict) -> int:
     if isinstance(config.get("text_config"), dict):  # an image-text model (Gemma 3): its text tower's layers
         config = config["text_config"]
-    return int(config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers"))
+    return int(config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
+               or config.get("n_layers"))  # (MPT's name)
 
 
 def _layer_types(config: dict) -> list[str] | None:

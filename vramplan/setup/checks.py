@@ -123,7 +123,9 @@ def check_activation_offload(model: ModelSpec, setup: Setup) -> None:
     if not setup.activation_offload:
         return
     why = None
-    if not setup.checkpointing:
+    if setup.framework == "torchtune":
+        why = "under --framework torchtune: its OffloadActivations runs on CUDA streams only; not modelled"
+    elif not setup.checkpointing:
         why = ("without --checkpointing TRL offloads every saved tensor but its storage deduplication keeps each "
                "tensor saved twice on the device (it can take more device memory than checkpointing alone); "
                "not modelled: add --checkpointing")
@@ -175,7 +177,7 @@ def check_framework(setup: Setup) -> None:
     fw = framework(setup.framework)
     if fw.not_modelled:
         raise SpecError(f"--framework {fw.name} ({fw.title}, {fw.version}): {fw.not_modelled}; modelled: hf, trl, "
-                        "axolotl, llamafactory, unsloth")
+                        "axolotl, llamafactory, unsloth, torchtune")
     sharded = setup.zero_stage or setup.fsdp != "none" or setup.tp > 1 or setup.cp > 1 or setup.device_map != "none"
     if sharded:
         raise SpecError(f"--framework {fw.name} with ZeRO, FSDP, tensor/context parallelism or a layer split is not "
@@ -190,6 +192,44 @@ def check_framework(setup: Setup) -> None:
                         "casts trainable copies its own way); use --framework hf")
     if fw.name == "unsloth":
         check_unsloth(setup)
+    if fw.name == "torchtune":
+        check_torchtune(setup)
+
+
+def check_torchtune(setup: Setup) -> None:
+    """torchtune 0.6.1's single-device recipes are modelled (estimator/torchtune.py, which also refuses the
+    model families it has no builder for); the rest is refused in one line."""
+    why = None
+    if setup.gpus > 1:
+        why = "on several GPUs: its distributed recipes (FSDP2) are not modelled; one GPU"
+    elif setup.precision != "bf16":
+        why = f"--precision {setup.precision}: modelled for its configs' dtype: bf16 (no autocast)"
+    elif setup.quant not in ("none", "nf4"):
+        why = f"--quant {setup.quant}: torchtune's QLoRA is torchao NF4 (--method qlora)"
+    elif setup.activation_offload:
+        why = ("--activation-offload: torchtune's OffloadActivations runs on CUDA streams only and is not verified "
+               "here; not modelled")
+    elif setup.liger or setup.dora or setup.modules_to_save.strip() or setup.checkpoint_every > 1:
+        why = "with Liger, DoRA, modules_to_save or selective checkpointing: not modelled"
+    elif setup.eval_batch:
+        why = "with an eval step: not modelled"
+    elif setup.loss != "hf":
+        why = f"--loss {setup.loss}: its step runs its own CEWithChunkedOutputLoss (modelled; leave --loss unset)"
+    elif setup.attn not in ("auto", "sdpa"):
+        why = f"--attn {setup.attn}: its attention is its own SDPA module"
+    elif setup.adapters and "lm_head" in setup.lora_targets:
+        why = "LoRA on the head (apply_lora_to_output): not modelled"
+    elif setup.adapters and setup.lora_targets != "all-linear" and len(
+            {"gate_proj", "up_proj", "down_proj"} & {t.strip() for t in setup.lora_targets.split(",")}) in (1, 2):
+        why = "LoRA on part of the MLP: its apply_lora_to_mlp adapts w1, w2 and w3 or none"
+    elif setup.optimizer not in ("adamw", "adamw-fused", "sgd", "adamw-8bit", "paged-adamw-8bit"):
+        why = f"--optimizer {setup.optimizer}: not one its configs name"
+    elif setup.adapters and setup.optimizer_in_backward:
+        why = "LoRA with the optimizer in backward: only the full recipe reads optimizer_in_bwd"
+    elif setup.optimizer_in_backward and setup.grad_accum > 1:
+        why = "optimizer_in_bwd with gradient accumulation: the recipe refuses it"
+    if why:
+        raise SpecError(f"--framework torchtune {why}")
 
 
 def check_unsloth(setup: Setup) -> None:
@@ -283,7 +323,9 @@ def fsdp_lora_crashes(model: ModelSpec, setup: Setup) -> bool:
 
 
 #: Families whose router is an ``nn.Linear`` subclass returning a tuple (all-linear LoRA wraps it and fails).
-TUPLE_ROUTERS = {"phimoe": "PhimoeTopKRouter (modeling_phimoe.py)"}
+TUPLE_ROUTERS = {"phimoe": "PhimoeTopKRouter (modeling_phimoe.py)", "llama4": "Llama4Router (modeling_llama4.py)"}
+#: what each of those routers returns (phimoe's when not named)
+_ROUTER_RETURNS = {"llama4": "(routing scores, logits)"}
 
 
 def attention_targets(model: ModelSpec) -> str:
@@ -302,9 +344,9 @@ def _check_lora(model: ModelSpec, setup: Setup) -> list[str]:
     if model.family in TUPLE_ROUTERS and any(l.role == "router" for l in targeted):
         attn = attention_targets(model)
         raise SpecError(f"LoRA on {model.name}'s router does not run: transformers 5.24's "
-                        f"{TUPLE_ROUTERS[model.family]} is an nn.Linear whose forward returns (logits, routing "
-                        "weights, expert indices), and peft's LoRA layer adds its output to that tuple; target the "
-                        f"attention: --lora-targets {attn}")
+                        f"{TUPLE_ROUTERS[model.family]} is an nn.Linear whose forward returns "
+                        f"{_ROUTER_RETURNS.get(model.family, '(logits, routing weights, expert indices)')}, and peft's "
+                        f"LoRA layer adds its output to that tuple; target the attention: --lora-targets {attn}")
     # Routers (e.g. Qwen2-MoE's 1-wide shared_expert_gate) are wrapped by "all-linear" whatever the
     # rank; peft accepts a rank above their width, so they do not bound it.
     bounded = [l for l in targeted if l.role != "router"]

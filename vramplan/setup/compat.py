@@ -101,6 +101,14 @@ TABLE: tuple[Incompatibility, ...] = (
         "not run here (Setup refuses it as not modelled)",
         "unverified",
         lambda s, m: s.quant in ("gptq", "awq") and (s.zero_stage > 0 or _fsdp(s)), refused_by_setup=True),
+    Incompatibility(
+        "eager-only-alibi",
+        "BLOOM and MPT with --attn sdpa or flash: their model classes declare no SDPA or FlashAttention path, and "
+        "from_pretrained raises (\"does not support an attention implementation through "
+        "torch.nn.functional.scaled_dot_product_attention yet\")",
+        "tests/test_catalogue_models.py::test_bloom_and_mpt_refuse_sdpa_and_flash (transformers' own classes)",
+        "fails",
+        lambda s, m: m is not None and m.model_type in ("bloom", "mpt") and s.attn in ("sdpa", "flash")),
 )
 
 BY_KEY = {i.key: i for i in TABLE}

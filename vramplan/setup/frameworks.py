@@ -31,7 +31,8 @@ differ from vramplan's (``pins``): Unsloth 2026.8 needs trl <= 0.24 and transfor
 axolotl 0.18 pins transformers 5.14.1 / peft 0.19.1 / trl 1.8.0, LLaMA-Factory 0.9.6 transformers
 <= 5.8 / peft <= 0.18.1. The estimate models each framework's own preparation over the transformers
 5 step vramplan models; where a framework's own kernels replace the step (Unsloth's fused
-cross-entropy and offloaded checkpointing, torchtune's own model) it is refused until modelled.
+cross-entropy and offloaded checkpointing, torchtune's own model) the step is that framework's own
+(estimator/unsloth.py, estimator/torchtune.py).
 Torch-free.
 """
 
@@ -88,11 +89,12 @@ _FRAMEWORKS = (
               "unsloth_zoo/fused_losses/cross_entropy_loss.py (chunked fused cross-entropy); "
               "unsloth_zoo/gradient_checkpointing.py (layer inputs offloaded to pinned host memory)",
               pins="trl <= 0.24.0, transformers <= 5.5.0"),
-    Framework("torchtune", "torchtune's LoRA recipes", "torchtune 0.6.1", False, 2, "chunked",
-              "recipes/lora_finetune_single_device.py (bf16 model and adapters, no autocast); "
-              "torchtune/modules/loss CEWithChunkedOutputLoss (8 bf16 logit chunks)",
-              not_modelled="torchtune runs its own model implementation, not transformers' (its saved activations "
-                           "are not modelled yet; torchtune 0.6.1 cannot be installed beside peft 0.21)"),
+    # its CEWithChunkedOutputLoss is part of its own step (estimator/torchtune.py): Setup.loss stays "hf"
+    Framework("torchtune", "torchtune's single-device recipes", "torchtune 0.6.1", False, 2, "hf",
+              "recipes/lora_finetune_single_device.py, full_finetune_single_device.py (bf16 model and adapters, "
+              "no autocast); torchtune/modules (its own TransformerDecoder, estimator/torchtune.py); "
+              "torchtune/modules/loss CEWithChunkedOutputLoss (8 bf16 logit chunks, fp32 log-probs kept); "
+              "torchao to_nf4 (QLoRA)"),
 )
 
 FRAMEWORKS = tuple(f.name for f in _FRAMEWORKS)

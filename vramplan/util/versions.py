@@ -96,7 +96,7 @@ BOUNDARIES: tuple[Boundary, ...] = (
              "MoE experts are fused 3-D parameters: bitsandbytes does not quantize them (a QLoRA MoE base keeps "
              "its experts in 16 bits) and LoRA targets them through peft's MoE conversion",
              "transformers 4.48.1 modeling_mixtral.py MixtralBlockSparseTop2MLP; 5.x fused experts "
-             "skipped by replace_with_bnb_linear"),
+             "skipped by replace_with_bnb_linear (4.x modelled: vramplan/estimator/moe_4x.py)"),
     Boundary("reentrant_checkpointing", "transformers", (5,),
              "gradient_checkpointing=True checkpoints reentrantly (use_reentrant=True): under FSDP1 no backward "
              "prefetch, frozen layer units keep their inputs to the end of the backward",
