@@ -227,3 +227,15 @@ def test_committed_model_meets_the_accuracy_bar_on_the_published_rows():
     assert 0.85 <= s.median_ratio <= 1.15, s
     assert s.pair_share >= 0.85, s
     assert s.pairs >= 28, s
+
+
+def test_llama4_multiplies_every_token_through_every_expert():
+    """transformers 5.24's Llama4TextMoe repeats the tokens for every expert (the router's scores scale the inputs,
+    the unrouted rows are zeros): the cost model counts all of Scout's experts, Mixtral's top 2 of 8."""
+    from vramplan.cost.counts import matmul_params
+
+    scout, mixtral = load_model("meta-llama/Llama-4-Scout-17B-16E"), load_model("mixtral-8x7b")
+    for m, share in ((scout, 1.0), (mixtral, 2 / 8)):
+        experts = dict(m.other_params)["experts"]
+        dense = sum(l.params for l in m.linears) + dict(m.other_params).get("router", 0)
+        assert matmul_params(m) == dense + experts * share

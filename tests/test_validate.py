@@ -38,8 +38,10 @@ def test_quick_matrix_holds_the_bar(quick_json):
     # 2 x 2 (vramplan/truths/hsdp_truth.py); cp-2: accelerate's FSDP2 + context parallelism, torch's ring
     # (truths/cp_truth.py); pp-2: torch.distributed.pipelining's GPipe/1F1B on 2 gloo ranks (truths/pipeline.py);
     # ep-2: transformers' ep_plan (AllToAllEP) beside tp == ep on 2 gloo ranks (truths/ep_truth.py)
-    assert {r["truth"] for r in rows} == {"trace", "cpu-run", "trl-trace", "trl-cpu", "placement", "tp-2", "fsdp2-2",
-                                          "tp-fsdp2-4", "hsdp2-4", "cp-2", "pp-2", "ep-2"}
+    # (torchtune-cpu: torchtune's real step, where VRAMPLAN_TORCHTUNE_PYTHON names a Python that imports it)
+    assert {r["truth"] for r in rows} - {"torchtune-cpu"} == {
+        "trace", "cpu-run", "trl-trace", "trl-cpu", "placement", "tp-2", "fsdp2-2", "tp-fsdp2-4", "hsdp2-4", "cp-2",
+        "pp-2", "ep-2"}
     bad = [(r["knob"], r["setup_text"], r["quantity"], r["error"]) for r in rows if abs(r["error"]) > 0.05]
     assert not bad, bad
     canonical = [r for r in rows if r["knob"] == "canonical" and r["quantity"] == "tensor_peak_bytes"]

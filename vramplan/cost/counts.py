@@ -32,13 +32,26 @@ def stack_of(software: Mapping[str, str] | None) -> Stack:
     return stack_from_versions(dict(software or {}))
 
 
+#: families whose transformers 5.24 MoE block runs every token through every expert (the routing weights scale
+#: the inputs; the non-routed rows are zeros, still multiplied): Llama 4 (``Llama4TextMoe``, estimator/llama4.py)
+DENSE_EXPERT_FAMILIES = frozenset({"llama4"})
+
+
+def routed_share(model: ModelSpec) -> float:
+    """The share of the experts' weights a token multiplies through: top_k of num_experts, or all of them where
+    the family computes every expert (:data:`DENSE_EXPERT_FAMILIES`)."""
+    if model.moe is None:
+        return 0.0
+    return 1.0 if model.family in DENSE_EXPERT_FAMILIES else model.moe.top_k / model.moe.num_experts
+
+
 def matmul_params(model: ModelSpec) -> float:
     """Parameters a token multiplies through: every Linear (head included), the routed share of
-    the experts (top_k of num_experts) and the router. Embedding lookups and norms cost no matmul."""
+    the experts (:func:`routed_share`) and the router. Embedding lookups and norms cost no matmul."""
     n = float(sum(l.params for l in model.linears))
     other = dict(model.other_params)
     if model.moe is not None:
-        n += other.get("experts", 0) * model.moe.top_k / model.moe.num_experts
+        n += other.get("experts", 0) * routed_share(model)
         n += other.get("router", 0)
     return n
 
@@ -50,7 +63,7 @@ def adapter_params(model: ModelSpec, setup: Setup) -> float:
     from ..estimator.lora import expert_lora_params
 
     routed = expert_lora_params(model, setup)
-    share = model.moe.top_k / model.moe.num_experts if model.moe is not None and routed else 0.0
+    share = routed_share(model) if routed else 0.0
     return float(trainable_params(model, setup) - routed + routed * share)
 
 

@@ -298,12 +298,14 @@ def narrow_config(model_name: str) -> dict:
 
 
 def torchtune_python() -> str | None:
-    """A Python that imports torchtune (this one, ``VRAMPLAN_TORCHTUNE_PYTHON``, or /tmp/vtt's), or None."""
+    """A Python that imports torchtune (this one, or ``VRAMPLAN_TORCHTUNE_PYTHON``: a venv sharing this torch, e.g.
+    ``python -m venv /tmp/vtt --system-site-packages && /tmp/vtt/bin/pip install torchtune==0.6.1 torchao==0.14.1``),
+    or None."""
     with contextlib.suppress(ImportError, Exception):
         import torchtune  # noqa: F401
 
         return sys.executable
-    for cand in (os.environ.get("VRAMPLAN_TORCHTUNE_PYTHON"), "/tmp/vtt/bin/python"):
+    for cand in (os.environ.get("VRAMPLAN_TORCHTUNE_PYTHON"),):
         probe = [cand, "-c", "import torchtune, torchao.dtypes.nf4tensor"] if cand and shutil.which(cand) else None
         if probe and subprocess.run(probe, capture_output=True, timeout=300).returncode == 0:
             return cand
