@@ -173,6 +173,18 @@ def test_models():
     assert "llama-3.1-8b" in llama["aliases"]
 
 
+def test_models_table_fits_the_terminal():
+    """The plain table wraps its id and alias columns to the terminal's width (80 when not a terminal) and keeps
+    every row's columns aligned; wider terminals get one line a model."""
+    narrow = CliRunner().invoke(main, ["models"], env={"COLUMNS": "80"}).stdout.splitlines()
+    assert max(len(line) for line in narrow) <= 80
+    assert len({line.index("┃") for line in narrow[:1]} | {line.index("│") for line in narrow[2:] if "│" in line}) == 1
+    wide = CliRunner().invoke(main, ["models"], env={"COLUMNS": "250"}).stdout.splitlines()
+    rows = json.loads(run("models", "--json").stdout)
+    assert len(wide) == len(rows) + 3 and any(line.startswith("meta-llama/Llama-3.1-8B ") for line in wide)
+    assert wide[-1].startswith(f"{len(rows)} models;")
+
+
 def test_gpus():
     r = run("gpus")
     assert r.exit_code == 0, r.output

@@ -52,21 +52,45 @@ def models(search: str | None, family: str | None, as_json: bool) -> None:
     if as_json:
         print_json(rows)
         return
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    console = Console(highlight=False)
     if not rows:
-        console.print("no shipped model matches; `vramplan models` lists them all (any Hub id or config.json "
-                      "works too)")
+        click.echo("no shipped model matches; `vramplan models` lists them all (any Hub id or config.json works too)")
         return
-    table = Table(show_edge=False, pad_edge=False)
-    for col, kw in (("HF id", {}), ("aliases", {}), ("model_type", {}), ("params (B)", {"justify": "right"})):
-        table.add_column(col, **kw)
-    for r in rows:  # Text cells: the same output as plain strings without parsing each for markup
-        table.add_row(Text(r["hf_id"]), Text(", ".join(r["aliases"])), Text(r["model_type"]),
-                      Text(f"{r['params_total'] / 1e9:.2f}"))
-    console.print(table)
-    console.print(f"{len(rows)} models; -Instruct/-Chat/-it variants and re-uploads (NousResearch/*, unsloth/*, "
-                  "LLM-Research/*) resolve to these configs: `--json` lists the variants")
+    cells = [(r["hf_id"], ", ".join(r["aliases"]), r["model_type"], f"{r['params_total'] / 1e9:.2f}") for r in rows]
+    for line in _table(("HF id", "aliases", "model_type", "params (B)"), cells):
+        click.echo(line)
+    import shutil
+    import textwrap
+
+    click.echo(textwrap.fill(f"{len(rows)} models; -Instruct/-Chat/-it variants and re-uploads (NousResearch/*, "
+                             "unsloth/*, LLM-Research/*) resolve to these configs: `--json` lists the variants",
+                             shutil.get_terminal_size((80, 24)).columns, break_on_hyphens=False))
+
+
+def _table(head: tuple[str, ...], cells: list[tuple[str, ...]]) -> list[str]:
+    """The lines of a table in rich's simple layout (┃ header, ━╇ rule, │ rows, the last column right-aligned),
+    fitted to the terminal's width by wrapping the first two columns (the id at its hyphens, the aliases at their
+    commas). Plain strings: rich's layout of hundreds of rows took longer than reading the catalogue
+    (benchmarks/cli_latency.py)."""
+    import shutil
+    import textwrap
+
+    width = shutil.get_terminal_size((80, 24)).columns
+    n = len(head)
+    widths = [max(len(head[c]), *(len(row[c]) for row in cells)) for c in range(n)]
+    room = width - 3 * (n - 1) - sum(widths[2:])  # for the two wrapped columns
+    if widths[0] + widths[1] > room:
+        first = max(len(head[0]), min(widths[0], max(room // 2, room - widths[1])))
+        widths[0], widths[1] = first, max(len(head[1]), room - first)
+
+    def line(values: tuple[str, ...], sep: str) -> str:
+        return sep.join(v.ljust(w) if c < n - 1 else v.rjust(w)
+                        for c, (v, w) in enumerate(zip(values, widths, strict=True))).rstrip()
+
+    out = [line(head, " ┃ "), "━╇━".join("━" * w for w in widths)]
+    for row in cells:
+        parts = [textwrap.wrap(row[c], widths[c], break_long_words=True, break_on_hyphens=c == 0) or [""]
+                 for c in (0, 1)]
+        for k in range(max(map(len, parts))):
+            rest = row[2:] if k == 0 else ("",) * (n - 2)
+            out.append(line((*(p[k] if k < len(p) else "" for p in parts), *rest), " │ "))
+    return out
