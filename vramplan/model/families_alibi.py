@@ -25,6 +25,7 @@ from __future__ import annotations
 from ..specs import SpecError
 from .builders import Layers as _Layers
 from .builders import family as _family
+from .builders import head as _head
 from .builders import req as _req
 from .builders import spec as _spec
 from .modelspec import ModelSpec
@@ -54,9 +55,7 @@ def _bloom(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.linear("mlp.dense_4h_to_h", i, h, True, "mlp")
     lay.add("norms", (2 * L + 2) * 2 * h)  # per block two; word_embeddings_layernorm and ln_f
     lay.add("embed_tokens", V * h)
-    tie = bool(cfg.get("tie_word_embeddings", True))
-    if not tie:
-        lay.linear("lm_head", h, V, False, "head", count=1, top=True)
+    tie = _head(cfg, lay, V, h, True)
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=a, head_dim=hd,
         intermediate_size=i, max_position_embeddings=int(cfg.get("seq_length") or 2048), tie_word_embeddings=tie,
@@ -93,9 +92,7 @@ def _mpt(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.linear("ffn.down_proj", i, h, False, "mlp")
     lay.add("norms", (2 * L + 1) * h)  # norm_1, norm_2 (bias removed), norm_f
     lay.add("embed_tokens", V * h)
-    tie = bool(cfg.get("tie_word_embeddings", True))
-    if not tie:
-        lay.linear("lm_head", h, V, False, "head", count=1, top=True)
+    tie = _head(cfg, lay, V, h, True)
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=a, head_dim=hd,
         intermediate_size=i, max_position_embeddings=int(cfg.get("max_seq_len") or 2048), tie_word_embeddings=tie,

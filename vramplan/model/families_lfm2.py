@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..specs import SpecError
 from .builders import Layers as _Layers
 from .builders import family as _family
+from .builders import head as _head
 from .builders import req as _req
 from .builders import spec as _spec
 from .modelspec import ModelSpec
@@ -98,9 +99,8 @@ def _lfm2(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.linear("feed_forward.w2", i, h, False, "mlp")
     lay.add("norms", (2 * L + 1) * h)  # operator_norm, ffn_norm; the final embedding_norm
     lay.add("embed_tokens", V * h)
-    tie = bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))
-    if not tie:
-        lay.linear("lm_head", h, V, False, "head", count=1, top=True)
+    tied = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))  # LFM2's own key first
+    tie = _head({**cfg, "tie_word_embeddings": tied}, lay, V, h, True)
     return _spec(
         cfg, name, source, lay, vocab_size=V, hidden_size=h, num_layers=L, num_heads=a, num_kv_heads=kvh,
         head_dim=hd, intermediate_size=i, max_position_embeddings=int(full.get("max_position_embeddings") or 0),
@@ -162,9 +162,8 @@ def _lfm2_moe(cfg: dict, name: str, source: str) -> ModelSpec:
     lay.add("router", nm * E * h)
     lay.add("norms", (2 * L + 1) * h)
     lay.add("embed_tokens", V * h)
-    tie = bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))
-    if not tie:
-        lay.linear("lm_head", h, V, False, "head", count=1, top=True)
+    tied = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))  # LFM2's own key first
+    tie = _head({**cfg, "tie_word_embeddings": tied}, lay, V, h, True)
     moe = MoeSpec(num_experts=E, top_k=k, expert_intermediate_size=ei, num_moe_layers=nm,
                   norm_topk_prob=bool(full.get("norm_topk_prob", True)), moe_layers=tuple(range(nd, L)))
     return _spec(
