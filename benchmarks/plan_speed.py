@@ -50,6 +50,10 @@ CASES = [
     # --framework any plans three frameworks
     ("qwen3-8b", "rtx-3060-12gb", {}, []),
     ("qwen3-8b", "rtx-3060-12gb", {"framework": "any"}, ["--framework", "any"]),
+    # an 8 GB card: a tight plan (its what-keeps-the-margins notes), and nothing fits anywhere (the closest
+    # framework's plan, re-run with its notes, and the same setup at a shorter sequence)
+    ("qwen3-8b", "rtx-4060", {}, []),
+    ("qwen2.5-7b", "rtx-4060", {"seq": 8192}, ["--seq", "8192"]),
 ]
 
 #: Absurd but accepted inputs (issue 27): the command still answers within ABSURD_BAR_S.

@@ -146,16 +146,27 @@ def test_probe_cpu_sdpa_refused_by_torch_ring_runs_with_cpu_flash():
         assert r["gather_counted"] == r["gather_bytes"], r
 
 
-def test_truth_two_ranks_meets_the_bar():  # the CP truth at its smallest shape: the fast tier
+def test_truth_two_ranks_meets_the_bar(monkeypatch):  # the CP truth at its smallest shape: the fast tier
     """accelerate's FSDP2 + CP on 2 gloo ranks (the quick rows of ``validate --knob cp``): every
     attention call ran the ring on the local half, and the estimate is within 5 % of the fullest rank
-    (measured -1.6 % full, +0.4 % LoRA at seq 128 on the tiny Llama)."""
-    from vramplan.truths.cp_truth import cp_rows, run_cp
-    from vramplan.truths.tiny import tiny_config
+    (measured -1.6 % full, +0.4 % LoRA at seq 128 on the tiny Llama). One launch: the ring's local
+    lengths are read off the runs cp_rows makes."""
+    from vramplan.truths import cp_truth
 
-    (run,) = run_cp(tiny_config(), [Setup(**CP2, seq=64)], world=2, seq=64)
-    assert run.ring_seqs == (32, 32, 32, 32)  # 2 layers x 2 steps, each on half the sequence
-    rows = [r for r in cp_rows(quick=True) if r.verified]
+    launches = []
+
+    def run_cp(config, setups, world, seq, *args, **kwargs):
+        runs = real(config, setups, world, seq, *args, **kwargs)
+        launches.append((seq, runs))
+        return runs
+
+    real = cp_truth.run_cp
+    monkeypatch.setattr(cp_truth, "run_cp", run_cp)
+    rows = [r for r in cp_truth.cp_rows(quick=True) if r.verified]
+    ((seq, runs),) = launches
+    assert seq == 128 and len(runs) == 2
+    for run in runs:  # 2 layers x 2 steps, each on half the sequence
+        assert run.setup.cp == 2 and run.ring_seqs == (seq // 2,) * 4, run
     assert len(rows) == 2
     for row in rows:
         assert abs(row.estimated_bytes / row.truth_bytes - 1) <= 0.05, row

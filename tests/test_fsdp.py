@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from cli_helpers import assert_user_error
 from click.testing import CliRunner
+from conftest import selected, selected_params
 
 from vramplan.cli import main
 from vramplan.estimator import estimate
@@ -254,13 +255,25 @@ N2 = [{"fsdp": "full_shard"}, {"fsdp": "shard_grad_op"}, {"fsdp": "no_shard"},
       {"fsdp": "full_shard", "precision": "bf16-mixed"}, {}]
 
 
+#: the fast tier's cases: the ones test_sharding_shows_in_the_truth compares, and DDP (the rest:
+#: `pytest -m slow`)
+FAST = [{"fsdp": "full_shard"}, {"fsdp": "shard_grad_op"}, {"fsdp": "no_shard"},
+        {"fsdp": "full_shard", "offload_params": "cpu"}, {"fsdp": "full_shard", "precision": "bf16-mixed"}, {}]
+
+
 @pytest.fixture(scope="module")
-def measured():
-    setups = [Setup(**kw, gpus=2, seq=TINY_SEQ) for kw in N2]
-    return {tuple(sorted(kw.items())): pair for kw, pair in zip(N2, compare_setups(setups, 2), strict=True)}
+def measured(request):
+    """One 2-rank launch of the cases this session runs (test_sharding_shows_in_the_truth's among them)."""
+    wanted = selected_params(request, "test_estimate_matches_every_rank", "kw")
+    if selected(request, "test_sharding_shows_in_the_truth"):
+        wanted += FAST
+    kws = [kw for kw in N2 if kw in wanted]
+    setups = [Setup(**kw, gpus=2, seq=TINY_SEQ) for kw in kws]
+    return {tuple(sorted(kw.items())): pair for kw, pair in zip(kws, compare_setups(setups, 2), strict=True)}
 
 
-@pytest.mark.parametrize("kw", N2, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "ddp")
+@pytest.mark.parametrize("kw", [kw if kw in FAST else pytest.param(kw, marks=pytest.mark.slow) for kw in N2],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "ddp")
 def test_estimate_matches_every_rank(measured, kw):
     run, est = measured[tuple(sorted(kw.items()))]
     assert run.wrapper == ("FullyShardedDataParallel" if kw.get("fsdp") else "DistributedDataParallel")

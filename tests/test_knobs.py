@@ -58,6 +58,9 @@ def test_quantized_weights_are_counted_exactly(llama, setup):
     assert dtypes == {torch.float32}
 
 
+# the fast tier: QLoRA with and without checkpointing (the int8 base's step: int8-dropout below; this one in
+# the full tier)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("setup", [Setup(method="qlora", seq=128), Setup(method="lora", quant="int8", seq=128),
                                    Setup(method="qlora", checkpointing=True, batch=2, seq=128)],
                          ids=["qlora", "int8", "qlora-ckpt"])
@@ -69,6 +72,7 @@ def test_quantized_step_within_5_percent_of_a_real_cpu_run(llama, setup):
                                                                                est.phase_peaks_bytes)
 
 
+@pytest.mark.sample(2)  # the fast tier: the 16-bit stream and int8 with dropout (QLoRA dropout: the full tier)
 @pytest.mark.parametrize("setup", [Setup(method="lora", quant="int8", framework="axolotl", batch=2, seq=256),
                                    Setup(method="qlora", lora_dropout=0.05, batch=2, seq=256),
                                    Setup(method="lora", quant="int8", lora_dropout=0.05, batch=2, seq=256)],

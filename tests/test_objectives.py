@@ -190,7 +190,9 @@ def test_traced_grpo_step_within_five_percent():
     assert abs(e.tensor_peak_bytes / t.tensor_peak_bytes - 1) <= 0.05
 
 
-@pytest.mark.parametrize("kw", [{}, {"method": "lora", "ref_model": "adapter"}])
+# the fast tier runs the full fine-tune (the reference copied from the checkpoint); LoRA with the
+# "ref" adapter runs in the full tier (the fast tier's LoRA GRPO step: test_traced_grpo_step_within_five_percent)
+@pytest.mark.parametrize("kw", [{}, pytest.param({"method": "lora", "ref_model": "adapter"}, marks=pytest.mark.slow)])
 def test_grpo_trainer_with_hf_generation_on_the_cpu(kw):
     """Every phase within 5 %: generation (HF generate with the KV cache, as the checkpoint's
     ``use_cache: true`` has it; LoRA: a no-grad prefill with the adapters on) and, with the "ref"

@@ -49,8 +49,9 @@ WIDE_MOE = MOE_BASES[0]
 N2_WIDE_MOE = [{"zero_stage": 3, "method": "lora"}]
 CASES = ([(TINY_BASE, 1, kw) for kw in N1] + [(TINY_BASE, 2, kw) for kw in N2] + [(MOE, 2, kw) for kw in N2_MOE]
          + [(WIDE_MOE, 2, kw) for kw in N2_WIDE_MOE])
-#: the fast tier's cases: one rank at stage 3, two at stage 2 and LoRA at stage 3 (the rest: `pytest -m slow`)
-FAST = [(TINY_BASE, 1, {"zero_stage": 3}), (TINY_BASE, 2, {"zero_stage": 2}),
+#: the fast tier's cases, one 2-rank launch: stage 2, stage 3 and LoRA at stage 3 (the rest, the
+#: 1-rank launch among them: `pytest -m slow`)
+FAST = [(TINY_BASE, 2, {"zero_stage": 2}), (TINY_BASE, 2, {"zero_stage": 3}),
         (TINY_BASE, 2, {"zero_stage": 3, "method": "lora"})]
 
 

@@ -314,6 +314,9 @@ class Plan:
     #: (--host-ram), local (this machine), profile (the GPU profile's typical host), default
     host_ram_bytes: int | None = None
     host_ram_source: str | None = None
+    #: the transformers version the estimates model when not the default (5: None), as ``--transformers``
+    #: gave it (estimator/stack.py); the plan file records it in its breakdown's ``modelled_versions``
+    transformers: str | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

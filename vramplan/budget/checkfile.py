@@ -30,6 +30,9 @@ class CheckSpec:
     #: a ``from:`` check's training config, and its reader's warnings (fields not modelled, values assumed)
     config: str | None = None
     warnings: tuple[str, ...] = ()
+    #: a plan file's transformers version when it was planned under another than the default (5)
+    #: (``plan --transformers``: its breakdown's ``modelled_versions``); ``check --transformers`` wins
+    transformers: str | None = None
 
 
 def parse_tolerance(value: Any, where: str = "tolerance") -> float:
@@ -170,7 +173,7 @@ def _from_config(entry: dict, path: Path, where: str) -> tuple[str, str | None, 
 
 
 def _check_from_plan(path: Path) -> CheckSpec:
-    from ..plans.planfile import read_plan_data
+    from ..plans.planfile import read_plan_data, recorded_transformers
 
     data = read_plan_data(path)  # the plan file's own shape checks and messages
     gpu_entry = data.get("gpu")
@@ -182,7 +185,7 @@ def _check_from_plan(path: Path) -> CheckSpec:
         gpu = _gpu(gpu_entry.get("name") if isinstance(gpu_entry, dict) else gpu_entry, None, str(path))
     return CheckSpec(name=path.stem, model=_model_ref(data["model"], path.parent, str(path)),
                      setup=setup_from_mapping(data["setup"], f"{path}: setup"), gpu=gpu, must_fit=True,
-                     source=str(path), line=None)
+                     source=str(path), line=None, transformers=recorded_transformers(data.get("breakdown")))
 
 
 def load_specs(paths: Iterable[str | os.PathLike]) -> tuple[CheckSpec, ...]:

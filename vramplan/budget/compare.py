@@ -78,8 +78,13 @@ def signed_gib(n: int) -> str:
 
 
 def version_drift(recorded: dict[str, Any], current: dict[str, Any], tier: str) -> tuple[str, ...]:
-    """One line per version that differs between the baseline's record and this run."""
+    """One line per version that differs between the baseline's record and this run (with the
+    transformers version the analytic tier modelled, ``modelled_transformers``, when either names one)."""
     lines = []
+    old, new = recorded.get("modelled_transformers"), current.get("modelled_transformers")
+    if old != new:  # estimated under another check --transformers (or plan --transformers: a plan file's)
+        lines.append(f"modelled transformers {old or 5} -> {new or 5} (--transformers: the version the estimate "
+                     "follows)")
     for key in ("model_version", "vramplan", *BASELINE_LIBRARIES):
         if key not in recorded or recorded.get(key) == current.get(key):
             continue

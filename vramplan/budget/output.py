@@ -110,7 +110,10 @@ def markdown_summary(run: CheckRun, *, updated: bool = False) -> str:
     head = (f"{len(failures)} of {len(run.results)} checks failed" if failures
             else f"all {len(run.results)} checks passed")
     where = f"`{_md(run.baseline_path)}`{'' if run.baseline_found else ' (not found)'}{' (updated)' if updated else ''}"
-    out = [f"### vramplan check: {head}", "", f"{run.tier} tier · tolerance {run.tolerance:.1%} · baseline {where}", "",
+    modelled = run.versions.get("modelled_transformers")  # check --transformers
+    stack = f" · models transformers {_md(modelled)}" if modelled else ""
+    out = [f"### vramplan check: {head}", "",
+           f"{run.tier} tier · tolerance {run.tolerance:.1%} · baseline {where}{stack}", "",
            "| check | model | GPU | device total | usable | vs baseline | status |",
            "|---|---|---|---:|---:|---:|---|"]
     for r in run.results:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..specs import Breakdown, SpecError
@@ -14,13 +14,28 @@ from .compare import DEFAULT_TOLERANCE, STATUSES, CheckResult, compare
 TIERS = ("analytic", "trace")
 
 
-def measure(spec: CheckSpec, tier: str = "analytic",
-            corrections: Callable[[Any], Any] | None = None) -> tuple[Breakdown, tuple[str, ...]]:
+def stack_of(spec: CheckSpec, stack: Any = None, tier: str = "analytic") -> Any:
+    """The library stack (estimator/stack.py) the check is estimated under: ``stack`` when given
+    (``check --transformers``), else the one its plan file was planned under, else the default;
+    None on the traced tier, which runs the installed libraries."""
+    from ..estimator.stack import DEFAULT_STACK, Stack
+
+    if tier != "analytic":
+        return None
+    if stack is not None:
+        return stack
+    return Stack(transformers=spec.transformers) if spec.transformers else DEFAULT_STACK
+
+
+def measure(spec: CheckSpec, tier: str = "analytic", corrections: Callable[[Any], Any] | None = None,
+            stack: Any = None) -> tuple[Breakdown, tuple[str, ...]]:
     """The check's Breakdown on the analytic tier (no torch) or the traced tier (imports torch),
     and the setup-vs-model warnings. ``corrections(gpu)``: the device terms of the analytic tier
-    (the command passes the calibrated ones; None: the published defaults). The traced tier adds
-    the published device terms (its own). Errors name the check."""
-    from ..estimator import estimate
+    (the command passes the calibrated ones; None: the published defaults); ``stack``: its library
+    versions (:func:`stack_of`). The traced tier adds the published device terms (its own) and runs
+    the installed libraries. Errors name the check."""
+    from ..estimator import DEFAULT_CORRECTIONS, estimate
+    from ..estimator.step import setup_warnings
     from ..model.profiles import load_model
     from ..setup.checks import check
 
@@ -28,14 +43,15 @@ def measure(spec: CheckSpec, tier: str = "analytic",
         raise SpecError(f"tier must be one of {', '.join(TIERS)}; got {tier!r}")
     try:
         model = load_model(spec.model)
-        warnings = (*spec.warnings, *check(model, spec.setup, spec.gpu))
         if tier == "trace":
             from ..run.tracer import trace
 
+            warnings = (*spec.warnings, *check(model, spec.setup, spec.gpu))
             return trace(model, spec.setup, gpu=spec.gpu), warnings
-        if corrections is None:
-            return estimate(model, spec.setup, spec.gpu), warnings
-        return estimate(model, spec.setup, spec.gpu, corrections(spec.gpu)), warnings
+        modelled = stack_of(spec, stack, tier)  # its warnings too: 4.x quantizes per-expert Linears
+        warnings = (*spec.warnings, *setup_warnings(model, spec.setup, spec.gpu, modelled))
+        terms = DEFAULT_CORRECTIONS if corrections is None else corrections(spec.gpu)
+        return estimate(model, spec.setup, spec.gpu, terms, modelled), warnings
     except SpecError as exc:
         raise SpecError(f"{spec.source}: check {spec.name!r}: {exc}") from None
 
@@ -74,20 +90,36 @@ class CheckRun:
 
 def run_checks(specs: Iterable[CheckSpec], baseline: dict[str, Record] | None, *, tier: str = "analytic",
                tolerance: float = DEFAULT_TOLERANCE, baseline_path: str | None = None,
-               require_baseline: bool = False, corrections: Callable[[Any], Any] | None = None) -> CheckRun:
+               require_baseline: bool = False, corrections: Callable[[Any], Any] | None = None,
+               stack: Any = None) -> CheckRun:
     """Measure and judge every check against ``baseline`` (None: no baseline file); ``corrections``
-    as :func:`measure` takes it."""
-    versions = current_versions()
+    and ``stack`` as :func:`measure` takes them. A stack other than the default is named in the
+    versions (``modelled_transformers``): the run's when given, each record's as it was estimated."""
+    versions = with_stack(current_versions(), stack)
     specs = tuple(specs)
     results = []
     for spec in specs:
-        bd, warnings = measure(spec, tier, corrections)
-        results.append(compare(spec, bd, (baseline or {}).get(spec.name), tolerance, versions, warnings))
+        bd, warnings = measure(spec, tier, corrections, stack)
+        modelled = stack_of(spec, stack, tier)
+        result = compare(spec, bd, (baseline or {}).get(spec.name), tolerance, with_stack(versions, modelled),
+                         warnings)
+        if stack is None and modelled is not None and not modelled.is_default:  # a plan file's --transformers
+            result = replace(result, notes=(*result.notes, f"estimated under transformers {modelled.transformers}, "
+                                            "as its plan file was planned (check --transformers to change)"))
+        results.append(result)
     names = {s.name for s in specs}
     stale = tuple(sorted(n for n in (baseline or {}) if n not in names))
     return CheckRun(results=tuple(results), tier=tier, tolerance=tolerance, versions=versions,
                     baseline_path=baseline_path, baseline_found=baseline is not None, stale=stale,
                     require_baseline=require_baseline)
+
+
+def with_stack(versions: dict[str, Any], stack: Any) -> dict[str, Any]:
+    """``versions`` naming ``stack``'s transformers version as ``modelled_transformers`` when it is
+    not the default stack (transformers 5); unchanged otherwise."""
+    if stack is None or stack.is_default:
+        return versions
+    return {**versions, "modelled_transformers": stack.transformers}
 
 
 def updated_records(baseline: dict[str, Record] | None, run: CheckRun) -> dict[str, Record]:

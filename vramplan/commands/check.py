@@ -12,8 +12,18 @@ from pathlib import Path
 
 import click
 
+from ..specs import SpecError
 from ..util.units import gib
-from .options import calibration_options, corrections_for, print_json, quiet_libraries, user_errors, warn
+from .options import (
+    calibration_options,
+    corrections_for,
+    print_json,
+    quiet_libraries,
+    stack_for,
+    transformers_option,
+    user_errors,
+    warn,
+)
 
 
 @click.command()
@@ -33,15 +43,17 @@ from .options import calibration_options, corrections_for, print_json, quiet_lib
 @click.option("--summary", "summary_path", envvar="GITHUB_STEP_SUMMARY", metavar="PATH", show_envvar=True,
               help="With --format github: append the Markdown summary to PATH instead of printing it.")
 @calibration_options
+@transformers_option
 @user_errors
 def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: str, tier: str, fmt: str,
           as_json: bool, require_baseline: bool, summary_path: str | None, no_calibration: bool,
-          calibration_file: str | None) -> None:
+          calibration_file: str | None, transformers_version: str | None) -> None:
     """Check memory of the training setups in SPEC files against GPU budgets and a baseline.
 
     SPEC is a checks file (YAML or JSON: `checks: [{name, model, gpu, setup, must_fit, tolerance}]`)
     or a plan file (one check, named after the file). Exit code 0: all passed; 1: a check is over
-    its budget or grew beyond the tolerance; 2: bad input.
+    its budget or grew beyond the tolerance; 2: bad input. --transformers: the analytic tier
+    estimates every check under that version (a plan file made under one keeps it otherwise).
     """
     from ..budget import (
         load_specs,
@@ -54,6 +66,9 @@ def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: s
 
     fmt = "json" if as_json else fmt
     tol = parse_tolerance(tolerance, "--tolerance")
+    stack = stack_for(transformers_version) if transformers_version is not None else None
+    if stack is not None and tier == "trace":
+        raise SpecError("--transformers goes with --tier analytic: the trace tier runs the installed transformers")
     checks = load_specs(specs)
     baseline = read_baseline(baseline_path)
     if tier == "trace":
@@ -67,7 +82,7 @@ def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: s
         return applied[key]
 
     run = run_checks(checks, baseline, tier=tier, tolerance=tol, baseline_path=baseline_path,
-                     require_baseline=require_baseline, corrections=corrections)
+                     require_baseline=require_baseline, corrections=corrections, stack=stack)
     if baseline is None and not update:
         warn(f"no baseline at {baseline_path}: every check is new (vramplan check --update records one)")
     for r in run.results:
@@ -135,7 +150,9 @@ def _print_table(run, updated: bool) -> None:
             f"[{_STYLE[r.status]}]{r.status}{' (recorded)' if updated and r.status == 'grew' else ''}[/]",
         )
     console.print(f"[bold]vramplan check[/] · {run.tier} tier · tolerance {run.tolerance:.1%} · "
-                  f"baseline {escape(run.baseline_path)}{'' if run.baseline_found else ' (none yet)'}")
+                  f"baseline {escape(run.baseline_path)}{'' if run.baseline_found else ' (none yet)'}"
+                  + (f" · models transformers {escape(modelled)}" if (modelled := run.versions.get(
+                      "modelled_transformers")) else ""))
     console.print(table)
     for r in run.results:
         if not (r.reasons or r.components or any(n != NO_BASELINE_NOTE for n in r.notes)):

@@ -19,6 +19,8 @@ from .options import (
     prequantized_knobs,
     print_json,
     setup_options,
+    stack_for,
+    transformers_option,
     user_errors,
     warn,
 )
@@ -30,11 +32,7 @@ from .options import (
 @gpu_options
 @calibration_options
 @config_options
-@click.option("--transformers", "transformers_version", metavar="VERSION",
-              help="The transformers version the step runs on: a version (4.48.1) or 'installed' (this machine's). "
-                   "Where a known boundary moves memory (4.x: per-expert MoE Linears bitsandbytes quantizes, "
-                   "reentrant checkpointing; 4.46-4.48: a second fp32 logits copy) the estimate follows it "
-                   "[default: 5, the modelled stack: `vramplan doctor`].")
+@transformers_option
 @click.option("--json", "as_json", is_flag=True, help="Print the Breakdown as one JSON object.")
 @user_errors
 def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | None, no_calibration: bool,
@@ -72,24 +70,6 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
         print_json(data)
     else:
         print_breakdown(bd, uncalibrated_reason(gpu, calibration_file, not no_calibration))
-
-
-def stack_for(version: str | None):
-    """The ``Stack`` of ``--transformers``: the default (5), a version, or the installed one."""
-    from ..estimator.stack import DEFAULT_STACK, Stack
-    from ..util.versions import library_versions
-
-    if version is None:
-        return DEFAULT_STACK
-    if version.strip().lower() == "installed":
-        installed = library_versions(["transformers"])["transformers"]
-        if installed is None:
-            raise SpecError("--transformers installed: transformers is not installed here; give a version (4.48.1)")
-        version = installed
-    try:
-        return Stack(transformers=version.strip())
-    except ValueError:
-        raise SpecError(f"--transformers: {version!r} is not a version; write e.g. 4.48.1, 5 or installed") from None
 
 
 _SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}

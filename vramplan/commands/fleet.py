@@ -77,10 +77,14 @@ def plan_fleet(model: str, gpu_name: str, *, dataset_tokens: int | None, epochs:
         from ..plans.fleet_report import write_fleet_html
 
         write_fleet_html(fleet, html_file)
+    stack = plan_kwargs.get("stack")
+    modelled = None if stack is None or stack.is_default else stack.transformers  # plan --transformers
     if as_json:
-        print_json(fleet.to_json())
+        print_json({**fleet.to_json(), **({"modelled_versions": {"transformers": modelled}} if modelled else {})})
     else:
         _print_fleet(fleet)
+        if modelled:
+            click.echo(f"models transformers {modelled} (--transformers): every row's estimate and speed follow it")
     if html_file:
         click.echo(f"wrote {html_file}", err=True)
 

@@ -43,9 +43,8 @@ from ..specs import (
 
 __all__ = ["FLAG", "Count", "LORA_FIELDS", "SETUP_FIELDS", "SETUP_OPTIONS", "SetupOption", "calibration_options",
            "corrections_for", "fail", "given_fields", "gpu_options", "knob_options", "load_model_checked",
-           "make_setup", "print_json", "quiet_libraries",
-           "setting_option", "setup_options", "silence_stdout", "usage_line", "user_errors", "warn",
-           "warn_lora_unused"]
+           "make_setup", "print_json", "quiet_libraries", "setting_option", "setup_options", "silence_stdout",
+           "stack_for", "transformers_option", "usage_line", "user_errors", "warn", "warn_lora_unused"]
 
 _DEFAULT = Setup()
 
@@ -459,6 +458,35 @@ def corrections_for(gpu, no_calibration: bool = False, calibration_file: str | N
     for w in warnings:
         warn(w)
     return corrections
+
+
+# ----------------------------------------------------------------------------------------------
+# The library stack: ``--transformers VERSION|installed`` of estimate, plan and check (passed as
+# ``transformers_version``; :func:`stack_for` turns it into the estimator's Stack, transformers 5 unless given)
+transformers_option = click.option(
+    "--transformers", "transformers_version", metavar="VERSION",
+    help="The transformers version the step runs on: a version (4.48.1) or 'installed' (this machine's). "
+         "Where a known boundary moves memory (4.x: per-expert MoE Linears bitsandbytes quantizes, "
+         "reentrant checkpointing; 4.46-4.48: a second fp32 logits copy) the estimate follows it "
+         "[default: 5, the modelled stack: `vramplan doctor`].")
+
+
+def stack_for(version: str | None):
+    """The ``Stack`` of ``--transformers``: the default (5), a version, or the installed one."""
+    from ..estimator.stack import DEFAULT_STACK, Stack
+    from ..util.versions import library_versions
+
+    if version is None:
+        return DEFAULT_STACK
+    if version.strip().lower() == "installed":
+        installed = library_versions(["transformers"])["transformers"]
+        if installed is None:
+            raise SpecError("--transformers installed: transformers is not installed here; give a version (4.48.1)")
+        version = installed
+    try:
+        return Stack(transformers=version.strip())
+    except ValueError:
+        raise SpecError(f"--transformers: {version!r} is not a version; write e.g. 4.48.1, 5 or installed") from None
 
 
 def load_model_checked(model_name: str, setup: Setup, gpu=None):

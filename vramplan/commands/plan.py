@@ -29,6 +29,8 @@ from .options import (
     prequantized_knobs,
     print_json,
     setting_option,
+    stack_for,
+    transformers_option,
     user_errors,
     warn_lora_unused,
 )
@@ -147,6 +149,7 @@ _MORE_KNOBS = {
                    "the plan's changes (each commented) instead.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --out/--html file or non-empty --emit DIR.")
 @calibration_options
+@transformers_option
 @user_errors
 def plan(model: str | None, from_file: str | None, config_format: str | None, accelerate_file: str | None,
          gpu_name: str | None, gpu_memory: str | None, gpus: int, nodes: int, host_ram: str | None,
@@ -171,6 +174,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
     from ..util.units import parse_bytes
     from .fleet import is_fleet, plan_fleet, price_table, run_json, run_line
 
+    stack = stack_for(knobs.pop("transformers_version"))  # every candidate is estimated (and costed) under it
     tokens = parse_count(dataset_tokens, "--dataset-tokens")
     table = price_table(price_args, prices_file) if (tokens or price_args or prices_file) else None
     if is_fleet(gpu_name):  # several cards: the run on each card and count (search/fleet.py)
@@ -191,7 +195,8 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
                    budget=budget, deadline=deadline, table=table, as_json=as_json, html_file=html_file,
                    plan_kwargs={"seq": seq, "margin": margin, "nvme": nvme,
                                 "global_batch": parse_count(global_batch, "--global-batch"),
-                                "tokens_per_step": parse_count(tokens_per_step, "--tokens-per-step")},
+                                "tokens_per_step": parse_count(tokens_per_step, "--tokens-per-step"),
+                                "stack": stack},
                    fixed=fixed)
         return
     gpu = resolve_gpu(gpu_name, gpu_memory)
@@ -230,7 +235,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
         from ..emit.frameworks import framework_limits
 
         fixed = merge_fixed({**framework_limits(read.format), **source.fixed}, fixed)  # what the framework runs
-        as_written = estimate(load_model(model), source.setup, gpu, corrections)
+        as_written = estimate(load_model(model), source.setup, gpu, corrections, stack)
         if not as_json:
             print_as_written(read, source, as_written)
     elif config_format or accelerate_file:
@@ -250,7 +255,7 @@ def plan(model: str | None, from_file: str | None, config_format: str | None, ac
                           host_ram_source=ram_source, global_batch=batch_count,
                           tokens_per_step=parse_count(tokens_per_step, "--tokens-per-step"),
                           dataset_tokens=tokens * epochs if tokens else None, corrections=corrections,
-                          **fixed)
+                          stack=stack, **fixed)
     except SpecError as exc:
         raise SpecError(_flagged(str(exc))) from None
 

@@ -10,9 +10,11 @@ from ..util.units import PRECISION_WEIGHT_DTYPE
 from . import activations as act
 from . import knobs, selective, transients, unsloth
 from .hybrid_shard import hsdp_held
-from .precision import kbit_upcast
+from .precision import adapter_param_bytes, kbit_upcast
 
 __all__ = ["step_components", "weights_note"]
+
+_ADAPTER_DTYPE = {4: "fp32", 2: "bf16"}  # TRL casts a quantized base's adapters to the model dtype (bf16)
 
 
 def step_components(setup: Setup, st: Any, a: Any, recompute: int,
@@ -28,7 +30,8 @@ def step_components(setup: Setup, st: Any, a: Any, recompute: int,
     comps = [
         Component("weights", st.weights, PHASES,
                   note=weights_note(setup) if st.fsdp is None else "this rank's FSDP shards"),
-        Component("adapters", st.adapters - st.trained_modules, PHASES, note="LoRA A/B in fp32")
+        Component("adapters", st.adapters - st.trained_modules, PHASES,
+                  note=f"LoRA A/B in {_ADAPTER_DTYPE[adapter_param_bytes(setup)]}")
         if st.adapters else None,
         Component("trained_modules", st.trained_modules, PHASES, note=knobs.trained_modules_note(setup))
         if st.trained_modules else None,

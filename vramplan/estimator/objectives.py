@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..setup.checks import check_trl_loss
 from ..specs import PHASES, Component, GpuSpec, ModelSpec, Setup
 from ..util.errors import SpecError
 from .activations import global_bytes_per_token
@@ -233,9 +234,7 @@ def check_trl_sft(model: ModelSpec, setup: Setup) -> list[str]:
     SpecError for what is not modelled; the notes otherwise."""
     if setup.objective != "sft" or setup.loss != "trl":
         return []
-    if setup.precision.endswith("-mixed"):
-        raise SpecError("--loss trl is modelled with 16-bit or fp32 weights without autocast (TRL loads the model in "
-                        "its checkpoint's dtype); use --precision bf16")
+    check_trl_loss(setup)
     notes = [f"loss trl: TRL {TRL_VERSION} SFTTrainer's fused LM head (trl/trainer/utils.py add_fused_lm_head, "
              f"trl/kernels/chunked_logprob.py): {HEAD_TOKEN_CHUNK} x {HEAD_VOCAB_CHUNK} tiles, no N x V logits"]
     if setup.liger:

@@ -73,7 +73,7 @@ def estimate(
     on_card = card_terms(setup) or not cache.enabled()  # uncached: every term on the card (the tests' reference)
     t = tensor_terms(model, setup, gpu if on_card else None, corrections if on_card else None, stack, loss_model,
                      attention_floor)
-    notes = list(t.check_notes if on_card or gpu is None else _checked(model, setup, gpu, stack)) + list(t.notes)
+    notes = list(t.check_notes if on_card or gpu is None else setup_warnings(model, setup, gpu, stack)) + list(t.notes)
     states, split, paged, phase_peaks = t.states, t.split, t.paged, t.phase_peaks
     allocated, reserved, device_total, overheads = device_overheads(phase_peaks[t.phase], 1 if split else setup.gpus,
                                                                     gpu, corrections)
@@ -87,7 +87,8 @@ def estimate(
         setup=setup,
         tier="analytic",
         components=eval_step.with_eval_phase(setup, objectives.with_objective_phases(setup, t.components[0] + tuple(
-            Component(name, n, PHASES, note=note) for name, n, note in overheads) + t.components[1])
+            Component(name, n, PHASES, note=unsloth.overhead_note(setup, name, note))
+            for name, n, note in overheads) + t.components[1])
             + t.extra.components) + t.last_components,
         phase_peaks_bytes=dict(phase_peaks),
         phase=t.phase,
@@ -113,8 +114,9 @@ def card_terms(setup: Setup) -> bool:
     return setup.loss == "unsloth" or setup.device_map != "none" or setup.objective != "sft"
 
 
-def _checked(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, stack: Stack) -> list[str]:
-    """The setup check's warnings (it raises SpecError for a setup peft would refuse)."""
+def setup_warnings(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, stack: Stack = DEFAULT_STACK) -> list[str]:
+    """The setup check's warnings under ``stack`` (it raises SpecError for a setup peft would refuse):
+    what ``vramplan check`` prints beside the estimate too (budget/runner.py)."""
     notes = check(model, setup, gpu)
     if stack.moe_experts_linear:  # transformers 4.x quantizes per-expert Linears: the fused-experts warning is 5's
         notes = [n for n in notes if "fused 3-D tensors that bitsandbytes" not in n]
@@ -150,14 +152,14 @@ def tensor_terms(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, correction
     """The tensor terms of one step (no pp/cp/tp: estimator/parallel_rank.py), in named steps; ``gpu`` and
     ``corrections`` None unless :func:`card_terms`. Kept per its arguments (estimator/cache.py)."""
     single = _model_states(model, setup)
-    notes = _checked(model, setup, gpu, stack)  # raises SpecError for a setup peft would refuse
+    notes = setup_warnings(model, setup, gpu, stack)  # raises SpecError for a setup peft would refuse
     rest = stack_notes(model, setup, stack)
     cast = autocast_cache(model, setup)
     states = _per_rank_states(model, setup, single, cast)
     pset = setup if setup.objective == "sft" else objectives.policy_setup(setup, stack)  # DPO/GRPO rows
     acts = _activations(model, pset, stack, setup, loss_model or model, attention_floor)
     if setup.loss == "unsloth" and gpu is not None:  # its chunks follow the memory free at the first loss
-        acts = unsloth.on_card(model, setup, gpu, states.weights + states.adapters + states.optimizer_states, acts)
+        acts = unsloth.on_card(model, setup, gpu, corrections, states.weights + states.adapters, acts)
     phase_peaks, recompute = _phase_peaks(model, pset, states, cast, acts, stack)
     states, acts, phase_peaks, recompute = transients.framework_step(model, setup, states, acts, phase_peaks, recompute)
     phase_peaks = {p: b + unsloth.dequantization_buffer_bytes(model, setup) for p, b in phase_peaks.items()}

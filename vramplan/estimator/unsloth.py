@@ -57,7 +57,7 @@ from .precision import compute_bytes
 
 __all__ = ["CE_TARGET_CAP_BYTES", "LOSS_NOTE", "OFFLOAD_MIN_SEQ", "checkpoint_note", "chunks", "components",
            "dequantization_buffer_bytes", "device_checkpoint_bytes", "host_bytes", "loss_transients", "offloads",
-           "on_card", "recompute_bytes", "unsloth"]
+           "on_card", "overhead_note", "recompute_bytes", "unsloth"]
 
 #: ``_get_chunk_multiplier``: a chunk's fp32 logits at most min(half the free memory, 4 GiB)
 CE_TARGET_CAP_BYTES = 4 * GiB
@@ -134,14 +134,29 @@ def dequantization_buffer_bytes(model: ModelSpec, setup: Setup) -> int:
     return compute_bytes(setup) * largest
 
 
-def on_card(model: ModelSpec, setup: Setup, gpu: GpuSpec, states_bytes: int, acts):
-    """``acts`` (estimator/step.py StepActivationTerms) with the loss's chunks cut for the memory free on
-    ``gpu`` when the fused loss first runs: its usable memory less the model states (``states_bytes``),
-    the saved activations and the dequantization buffer."""
-    free = gpu.usable_memory_bytes - (states_bytes + acts.layers + acts.model_io
-                                      + dequantization_buffer_bytes(model, setup))
-    fwd, bwd = loss_transients(model, setup, free)
+def on_card(model: ModelSpec, setup: Setup, gpu: GpuSpec, corrections, states_bytes: int, acts):
+    """``acts`` (estimator/step.py StepActivationTerms) with the loss's chunks cut for the memory free when
+    the fused loss first runs (``_get_chunk_multiplier`` is ``functools.cache``d: the first step's forward
+    decides): ``torch.cuda.mem_get_info``'s free, the card's usable memory less the CUDA context and
+    what the caching allocator holds then (estimator/corrections.py ``device_overheads``) for the model
+    states (``states_bytes``: the weights and adapters; no gradients or optimizer states exist before the
+    first optimizer step), the saved activations and the dequantization buffer."""
+    from .corrections import DEFAULT_CORRECTIONS, device_overheads
+
+    held = states_bytes + acts.layers + acts.model_io + dequantization_buffer_bytes(model, setup)
+    _, _, device_total, _ = device_overheads(held, 1, gpu, corrections or DEFAULT_CORRECTIONS)
+    fwd, bwd = loss_transients(model, setup, gpu.usable_memory_bytes - device_total)
     return dataclasses.replace(acts, logits_forward=fwd, logits_backward=bwd)
+
+
+def overhead_note(setup: Setup, name: str, note: str) -> str:
+    """A device term's note, with what Unsloth changes: it turns the caching allocator's expandable segments
+    on at import (``unsloth_zoo/__init__.py``: ``PYTORCH_ALLOC_CONF=expandable_segments:True`` on torch
+    2.10+ unless the user set it); the fragmentation fitted on runs of the default allocator is kept."""
+    if name != "allocator_overhead" or not unsloth(setup):
+        return note
+    return (f"{note}; fitted with the default allocator, where Unsloth turns on expandable segments "
+            "(usually less): an upper bound")
 
 
 LOSS_NOTE = "Unsloth's fused cross-entropy: one chunk's logits and their gradient, grad_inputs"

@@ -21,7 +21,10 @@ A plan file is one JSON object (``.json``) or the same mapping in YAML (``.yaml`
 
 ``load_plan`` validates the file, resolves model and GPU again and re-estimates (milliseconds), and
 keeps the file's own ``breakdown`` as ``Plan.recorded_estimate`` so a run can be compared with the
-prediction it was made from. Every problem is a one-line ``SpecError``. No torch import.
+prediction it was made from. A plan made under ``--transformers`` names that version in its
+breakdown's ``modelled_versions`` and is re-estimated under it (``Plan.transformers``); a file
+naming transformers 5, or no version, is the default stack's. Every problem is a one-line
+``SpecError``. No torch import.
 """
 
 from __future__ import annotations
@@ -54,13 +57,38 @@ def plan_to_json(plan: Plan) -> dict:
         "tokens_per_s": plan.tokens_per_s,
         "step_time_s": plan.step_time_s,
         "global_batch": plan.global_batch,
-        "breakdown": plan.breakdown.to_json(),
+        "breakdown": _breakdown_json(plan),
         "alternatives": [a.to_json() for a in plan.alternatives],
         "rejected": [r.to_json() for r in plan.rejected],
         "notes": [str(n) for n in plan.notes],  # Note is a str: plain text for YAML
         "note_kinds": [n.kind for n in plan.notes],
         "host_ram": {"bytes": plan.host_ram_bytes, "source": plan.host_ram_source},
     }
+
+
+def _breakdown_json(plan: Plan) -> dict:
+    """The plan's Breakdown as JSON, its ``modelled_versions`` naming the transformers version the plan
+    models when not the default (``--transformers``, as ``estimate --json`` does)."""
+    data = plan.breakdown.to_json()
+    if plan.transformers and data.get("modelled_versions"):
+        data["modelled_versions"] = {**data["modelled_versions"], "transformers": plan.transformers}
+    return data
+
+
+def recorded_transformers(recorded: dict | None) -> str | None:
+    """The transformers version a plan file's breakdown records in its ``modelled_versions`` when it
+    is not the default stack's (transformers 5), else None; files without it model the default."""
+    from ..estimator.stack import Stack
+
+    versions = recorded.get("modelled_versions") if isinstance(recorded, dict) else None
+    version = versions.get("transformers") if isinstance(versions, dict) else None
+    if not isinstance(version, str):
+        return None
+    try:
+        stack = Stack(transformers=version)
+    except ValueError:
+        return None
+    return None if stack.is_default else stack.transformers
 
 
 def dumps_plan(plan: Plan, fmt: str = "json") -> str:
@@ -143,7 +171,8 @@ def _text(value, path, where: str) -> str:
 
 def load_plan(path: str | os.PathLike) -> Plan:
     """Read a plan file, resolve its model and GPU, and re-estimate its setup."""
-    from ..estimator import estimate
+    from ..estimator import DEFAULT_CORRECTIONS, estimate
+    from ..estimator.stack import DEFAULT_STACK, Stack
     from ..model.profiles import load_model
 
     data = read_plan_data(path)
@@ -184,10 +213,12 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise SpecError(f"{path}: 'breakdown' must be a mapping; got {type(recorded).__name__}")
     model = load_model(data["model"])
     host_ram = data.get("host_ram") if isinstance(data.get("host_ram"), dict) else {}
+    transformers = recorded_transformers(recorded)  # the stack the plan was made under (--transformers)
+    stack = Stack(transformers=transformers) if transformers else DEFAULT_STACK
     return Plan(
         model=data["model"],
         setup=setup,
-        breakdown=estimate(model, setup, gpu),
+        breakdown=estimate(model, setup, gpu, DEFAULT_CORRECTIONS, stack),
         gpu=gpu,
         nodes=nodes,
         step_time_s=step_time_s,
@@ -198,4 +229,5 @@ def load_plan(path: str | os.PathLike) -> Plan:
         recorded_estimate=recorded,
         host_ram_bytes=host_ram.get("bytes") if isinstance(host_ram.get("bytes"), int) else None,
         host_ram_source=host_ram.get("source") if isinstance(host_ram.get("source"), str) else None,
+        transformers=transformers,
     )

@@ -7,6 +7,7 @@ alike; Unsloth: estimator/unsloth.py) and takes, in this order: one that fits; o
 resident (no engine or offload on one GPU); one that fits with the margins (not tight); the better
 quality tier (full > LoRA on a 16-bit base > 8-bit > QLoRA); among tight ones, the one that needs
 least; the faster; the first of :data:`CANDIDATES` on a tie (the HF recipe ``emit``'s train.py runs).
+Where none fits, the one whose closest setup needs least memory.
 A note of kind ``framework`` names the choice and each other framework's plan in one line."""
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ CANDIDATES = ("hf", "trl", "axolotl", "unsloth")
 
 
 def _key(p: Plan, index: int) -> tuple:
-    # a plan with the margins before a tight one; among tight ones, the one that needs least
-    room = p.breakdown.device_total_bytes if p.fits and p.tight else 0
-    return (not p.fits, residency(p.setup) if p.fits else 9, p.tight, -quality(p.setup), room,
+    # a plan with the margins before a tight one; among tight ones, the one that needs least; where none
+    # fits, the closest: the one whose smallest setup needs least
+    if not p.fits:
+        return (True, p.breakdown.device_total_bytes, index)
+    room = p.breakdown.device_total_bytes if p.tight else 0
+    return (False, residency(p.setup), p.tight, -quality(p.setup), room,
             -(p.tokens_per_s or 0.0), index)
 
 
 def _line(p: Plan) -> str:
     fw = framework(p.setup.framework)
     if not p.fits:
-        return f"{fw.name} ({fw.title}): nothing fits"
+        return (f"{fw.name} ({fw.title}): nothing fits (closest: {p.setup.method}, "
+                f"{size(p.breakdown.device_total_bytes)})")
     where = "in VRAM" if residency(p.setup) == 0 else "with a distributed engine or offload"
     return (f"{fw.name} ({fw.title}): {p.setup.method} {where}, {size(p.breakdown.device_total_bytes)}, "
             f"~{p.tokens_per_s:,.0f} tokens/s")

@@ -3,7 +3,7 @@
 :class:`Evaluator` holds a search's caches: the estimates it ran, the setups that failed (kept
 for the why-not lines) and, per setup but its rank, the lowest rank known to fail.
 Memory is :func:`vramplan.estimator.estimate` only (never a formula of its own); speed is
-:mod:`vramplan.cost.model`.
+:mod:`vramplan.cost.model`; both under the target's library stack (``Target.stack``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Evaluator:
     def estimate(self, setup: Setup) -> Breakdown:
         bd = self.cache.get(setup)
         if bd is None:
-            bd = estimate(self.model, setup, self.target.gpu, self.target.corrections)
+            bd = estimate(self.model, setup, self.target.gpu, self.target.corrections, self.target.stack)
             self.cache[setup] = bd
         return bd
 
@@ -67,7 +67,7 @@ class Evaluator:
         key = family_key(setup) + (setup.lora_targets, setup.double_quant)
         k = self._counts.get(key)
         if k is None:
-            k = self._counts[key] = cost.counts(self.model, setup)
+            k = self._counts[key] = cost.counts(self.model, setup, self.target.stack)
         return k
 
     def step(self, setup: Setup) -> cost.StepCost:

@@ -63,7 +63,14 @@ def switch_framework(run: Callable[..., Plan], fixed: dict[str, Any], chosen: Pl
             fallback = alt
         tried.append(alt)
     if fallback is None:
-        return chosen
+        # nothing fits anywhere: the closest is the framework whose smallest setup needs least (Unsloth's
+        # QLoRA in VRAM over the HF recipe's ZeRO offload on a consumer card), with its what-would-fit notes
+        closest = min((p for p in tried if not p.fits), key=lambda p: p.breakdown.device_total_bytes, default=None)
+        if chosen.fits or closest is None or (closest.breakdown.device_total_bytes
+                                              >= chosen.breakdown.device_total_bytes):
+            return chosen
+        near = run(**with_framework_defaults({**fixed, "framework": closest.setup.framework}), relax=True)
+        return _switched(near, chosen, [p for p in tried if p is not closest])
     if fallback.tight:  # the plan is the fallback's: its notes say what fits with the margins (planner.py)
         fallback = run(**with_framework_defaults({**fixed, "framework": fallback.setup.framework}), relax=True)
     return _switched(fallback, chosen, [p for p in tried if p is not fallback])
@@ -72,7 +79,7 @@ def switch_framework(run: Callable[..., Plan], fixed: dict[str, Any], chosen: Pl
 def _not_resident(p: Plan) -> str:
     fw = framework(p.setup.framework)
     if not p.fits:
-        return f"{fw.title}: nothing fits"
+        return f"{fw.title}: nothing fits (closest: {size(p.breakdown.device_total_bytes)})"
     return f"{fw.title}: {'inside the margins only' if p.tight else 'only with a distributed engine or offload'}"
 
 
@@ -80,12 +87,13 @@ def _switched(alt: Plan, chosen: Plan, tried: list[Plan]) -> Plan:
     """``alt`` with the ``framework`` note saying why it replaced the HF recipe's ``chosen``."""
     fw = framework(alt.setup.framework)
     if not chosen.fits:
-        hf = "nothing fits"
+        hf = f"nothing fits (closest: {savers_text(chosen.setup)}, {size(chosen.breakdown.device_total_bytes)})"
     else:
         hf = f"{savers_text(chosen.setup)}, {size(chosen.breakdown.device_total_bytes)}"
         hf += ", inside the margins only" if chosen.tight else ""
         hf += f", ~{chosen.tokens_per_s:,.0f} tokens/s" if chosen.tokens_per_s else ""
-    note = Note(f"framework: {fw.name} ({fw.title}, {fw.version}: {WHY[fw.name]}) trains in VRAM on this card; "
+    does = "trains in VRAM on this card" if alt.fits else "comes closest (nothing fits this card)"
+    note = Note(f"framework: {fw.name} ({fw.title}, {fw.version}: {WHY[fw.name]}) {does}; "
                 f"the HF Trainer recipe vramplan emits as train.py (peft's prepare_model_for_kbit_training, full "
                 f"logits): {hf}{''.join('; ' + _not_resident(p) for p in tried)}. --framework hf keeps it",
                 "framework")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
+from ..estimator.stack import DEFAULT_STACK, Stack
 from ..specs import GpuSpec, SpecError
 
 #: Share of the card's usable memory a plan leaves free by default (``--margin``): room for what no
@@ -29,7 +30,8 @@ MAX_FREE_MICRO_TOKENS = 65536
 @dataclass(frozen=True)
 class Target:
     """What the plan must fit: a GPU (``gpus`` of them over ``nodes``), host RAM per node (and
-    where that number comes from), NVMe, and the share of usable memory to leave free."""
+    where that number comes from), NVMe, and the share of usable memory to leave free; the device
+    terms (``corrections``) and library versions (``stack``) its estimates apply."""
 
     gpu: GpuSpec
     gpus: int = 1
@@ -40,6 +42,9 @@ class Target:
     host_ram_source: HostRamSource = "given"
     #: the device terms every estimate of the search uses (the commands pass the calibrated ones)
     corrections: Corrections = DEFAULT_CORRECTIONS
+    #: the library versions every estimate and cost of the search models (``--transformers``:
+    #: estimator/stack.py; transformers 5 unless told)
+    stack: Stack = DEFAULT_STACK
 
     def __post_init__(self) -> None:
         for name in ("gpus", "nodes"):

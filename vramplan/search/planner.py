@@ -9,9 +9,10 @@ from functools import partial
 from typing import Any
 
 from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
+from ..estimator.stack import DEFAULT_STACK, Stack
 from ..setup.frameworks import with_framework_defaults
 from ..setup.inputs import resolve_gpu
-from ..specs import GpuSpec, ModelSpec, Plan, SpecError
+from ..specs import GpuSpec, ModelSpec, Note, Plan, SpecError
 from . import explain
 from .core import Search
 from .explain_framework import other_framework, switch_framework
@@ -24,7 +25,8 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
          host_ram: int | str | None = None, nvme: bool = False, seq: int = 2048, global_batch: int | None = None,
          tokens_per_step: int | None = None, dataset_tokens: int | None = None, error_band: float | None = None,
          margin: float = DEFAULT_MARGIN, relax: bool = True, corrections: Corrections | None = None,
-         host_ram_source: HostRamSource = "given", details: bool = True, **fixed: Any) -> Plan:
+         host_ram_source: HostRamSource = "given", details: bool = True, stack: Stack | None = None,
+         **fixed: Any) -> Plan:
     """The setup of ``model`` an expert would run on ``gpu`` (see :mod:`vramplan.search` for how).
 
     ``fixed`` pins Setup knobs (``method="lora"``, ``lora_rank=64``, ``quant="none"``,
@@ -42,14 +44,39 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
     framework and takes the one that trains best (search/any_framework.py). ``details`` False: the same
     setup, Breakdown, speed and fit without the words around them (no alternatives, why-not lines or
     notes but a ``tight`` one and a framework switch's), what a comparison of cards reads (search/fleet.py).
+    ``stack``: the library versions every estimate and cost of the search models (estimator/stack.py;
+    None: transformers 5); another one is named by ``Plan.transformers`` and an ``estimate`` note.
     """
+    stack = stack or DEFAULT_STACK
+    chosen = _plan_any(model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
+                       global_batch=global_batch, tokens_per_step=tokens_per_step, dataset_tokens=dataset_tokens,
+                       error_band=error_band, margin=margin, relax=relax, corrections=corrections,
+                       host_ram_source=host_ram_source, details=details, stack=stack, **fixed)
+    return chosen if stack.is_default else stack_named(chosen, stack)
+
+
+def stack_named(chosen: Plan, stack: Stack) -> Plan:
+    """``chosen`` naming the transformers version its estimates model (``Plan.transformers``), with its
+    estimate's note saying so among the plan's notes (a plan that does not fit lists no estimate notes)."""
+    said = [n for n in chosen.breakdown.notes if n.startswith("models ")]
+    notes = chosen.notes + tuple(Note(n, "estimate") for n in said if n not in chosen.notes)
+    return replace(chosen, transformers=stack.transformers, notes=notes)
+
+
+def _plan_any(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes: int,
+              host_ram: int | str | None, nvme: bool, seq: int, global_batch: int | None,
+              tokens_per_step: int | None, dataset_tokens: int | None, error_band: float | None, margin: float,
+              relax: bool, corrections: Corrections | None, host_ram_source: HostRamSource, details: bool,
+              stack: Stack, **fixed: Any) -> Plan:
+    """:func:`plan` before its stack is named: each framework of ``framework="any"``, or one."""
     if fixed.get("framework") == "any":
         from .any_framework import plan_any
 
-        return plan_any(partial(plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
+        return plan_any(partial(_plan_any, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
                                 global_batch=global_batch, tokens_per_step=tokens_per_step,
                                 dataset_tokens=dataset_tokens, error_band=error_band, margin=margin, relax=relax,
-                                corrections=corrections, host_ram_source=host_ram_source, details=details),
+                                corrections=corrections, host_ram_source=host_ram_source, details=details,
+                                stack=stack),
                         {k: v for k, v in fixed.items() if k != "framework"})
     user_fixed = fixed
     if "framework" in fixed:  # the framework's own defaults for what is not fixed (TRL's and Unsloth's loss)
@@ -57,7 +84,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
     one = partial(_plan, model, gpu, gpus=gpus, nodes=nodes, host_ram=host_ram, nvme=nvme, seq=seq,
                   global_batch=global_batch, tokens_per_step=tokens_per_step, dataset_tokens=dataset_tokens,
                   error_band=error_band, margin=margin, corrections=corrections,
-                  host_ram_source=host_ram_source, details=details)
+                  host_ram_source=host_ram_source, details=details, stack=stack)
     chosen = one(**fixed, relax=relax)
     if gpus != 1 or nodes != 1:
         return chosen
@@ -69,7 +96,7 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
 def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes: int, host_ram: int | str | None,
           nvme: bool, seq: int, global_batch: int | None, tokens_per_step: int | None, dataset_tokens: int | None,
           error_band: float | None, margin: float, relax: bool, corrections: Corrections | None,
-          host_ram_source: HostRamSource, details: bool, **fixed: Any) -> Plan:
+          host_ram_source: HostRamSource, details: bool, stack: Stack = DEFAULT_STACK, **fixed: Any) -> Plan:
     """:func:`plan` for the framework ``fixed`` names (the HF recipe when it names none)."""
     spec = _resolve_model(model)
     card = _resolve_gpu(gpu)
@@ -95,7 +122,7 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
     if host_ram_source not in ("given", "local"):
         raise SpecError(f"host_ram_source must be 'given' or 'local'; got {host_ram_source!r}")
     ram, source = (host_ram, host_ram_source) if host_ram is not None else typical_host_ram(card, gpus, nodes)
-    target = Target(card, gpus, nodes, ram, nvme, margin, source, corrections or DEFAULT_CORRECTIONS)
+    target = Target(card, gpus, nodes, ram, nvme, margin, source, corrections or DEFAULT_CORRECTIONS, stack)
     check_fixed(spec, {k: v for k, v in fixed.items() if k not in ("batch", "grad_accum")}, gpus, seq)
     if ranks is not None and len(ranks) > 1:
         check_fixed(spec, {**{k: v for k, v in fixed.items() if k not in ("batch", "grad_accum")},
@@ -135,6 +162,12 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
                                  global_batch_of(seq, gpus, global_batch, tokens_per_step),
                                  0 if gpu_floor is None else gpu_floor, ranks)
             notes += [explain.relaxation_note(r) for r in relaxed]
+            # no setup fits with the margins at a halved sequence: the same setup's longest that does, or that
+            # keeps the headroom
+            shorter = ((0, None, 0, None) if any(r.kind == "shorter_seq" for r in relaxed)
+                       else longest_seq(result.search.ev, floor.setup))
+            if shorter[1] is not None or shorter[3] is not None:
+                notes.append(explain.shorter_seq_note(result, floor, card, shorter))
         notes.append(explain.host_ram_source_note(target))
         return Plan(model=spec.name, setup=floor.setup, breakdown=floor.breakdown, gpu=card, nodes=nodes,
                     step_time_s=round(floor.step.step_s, 4), tokens_per_s=round(floor.tokens_per_s, 1),

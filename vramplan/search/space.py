@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from ..setup.checks import (
     check_fsdp2,
 )
 from ..setup.compat import known_failures, runs
+from ..setup.frameworks import framework
 from ..specs import GpuSpec, ModelSpec, Setup, SpecError
 from .geometry import BatchShape, Target
 from .space_cp import cp_splits
@@ -109,6 +111,7 @@ class Space:
                      "lora": (q,) if q in ("none", "int8", "gptq", "awq") or f.get("method") == "lora" else (),
                      "qlora": (q,) if q in ("nf4", "fp4") else ()}
         combos = [(method, q) for method in methods for q in bases[method]]
+        refused: list[str] = []
         gpu = self.target.gpu
         out = []
         for method, quant in combos:
@@ -131,11 +134,15 @@ class Space:
                     try:
                         s = Setup(**values)
                         check(self.model, s)
-                    except SpecError:
+                    except SpecError as exc:
+                        refused.append(str(exc))
                         continue
                     if eval_unmodelled(s):  # --eval-batch: only where the eval step is modelled
                         continue
                     out.append(s)
+        if not out:  # say why, where every family was refused by one check
+            why = f" (the most frequent refusal: {Counter(refused).most_common(1)[0][0]})" if refused else ""
+            raise SpecError(f"no setup satisfies the fixed options together{why}; relax one of them")
         # ascending rank within a method, so failures at a low rank answer the higher ranks
         return sorted(out, key=lambda s: (s.method, s.quant, s.lora_rank))
 
@@ -260,7 +267,9 @@ class Space:
         legal = (self.target.gpus == 1 and s.objective == "sft" and s.eval_batch == 0
                  and s.optimizer in IN_BACKWARD_OPTIMIZERS and s.zero_stage == 0 and s.fsdp == "none"
                  and all(self.shape.grad_accum(m) == 1 for m in self.shape.micro_batches))
-        ons = self.choices("optimizer_in_backward", (False, True) if legal and s.method == "full" else (False,))
+        written = "optimizer_in_backward" not in framework(s.framework).unwritten  # what its config can say
+        ons = self.choices("optimizer_in_backward", (False, True) if legal and written and s.method == "full"
+                           else (False,))
         out = []
         for on in ons:
             if on and not legal:
@@ -278,7 +287,8 @@ class Space:
         """(checkpointing, checkpoint_every) to try: none, every layer, and between them every
         :data:`CHECKPOINT_EVERY` -th layer (estimator/selective.py: fewer layers recomputed) where
         selective checkpointing is modelled (no ZeRO/FSDP placement)."""
-        everies = (1,) if zero_stage or fsdp != "none" else CHECKPOINT_EVERY
+        written = "checkpoint_every" not in framework(family.framework).unwritten  # what its config can say
+        everies = (1,) if zero_stage or fsdp != "none" or not written else CHECKPOINT_EVERY
         out = []
         for ck in self.choices("checkpointing", (False, True)):
             out += [(ck, e) for e in (self.choices("checkpoint_every", everies) if ck else (1,))]

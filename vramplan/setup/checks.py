@@ -253,10 +253,20 @@ def check_unsloth(setup: Setup) -> None:
         raise SpecError(f"--framework unsloth {why}")
 
 
+def check_trl_loss(setup: Setup) -> None:
+    """``--loss trl`` (TRL's fused LM head) is modelled on a model loaded in 16 or 32 bits that trains
+    without autocast: TRL loads the model in its checkpoint's dtype (estimator/objectives.py
+    ``check_trl_sft``). A full fine-tune under fp16 autocast (a card without bf16) is refused."""
+    if setup.objective == "sft" and setup.loss == "trl" and setup.precision.endswith("-mixed"):
+        raise SpecError("--loss trl is modelled with 16-bit or fp32 weights without autocast (TRL loads the model "
+                        "in its checkpoint's dtype); use --precision bf16")
+
+
 def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[str]:
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
     check_framework(setup)
+    check_trl_loss(setup)
     check_fsdp2(model, setup)
     if setup.pp > 1:  # pipeline parallelism: what its truth does not run is refused
         from ..estimator.pipeline_check import check_pp

@@ -64,6 +64,9 @@ class Framework:
     pins: str = ""
     #: why the estimate refuses it ("" when modelled)
     not_modelled: str = ""
+    #: Setup knobs its config has no field for (emit/hf_configs.py ``common_refusal``): a plan for it
+    #: searches them only where the user fixes them, so ``plan --emit`` writes what it planned
+    unwritten: tuple[str, ...] = ()
 
 
 _FRAMEWORKS = (
@@ -73,28 +76,33 @@ _FRAMEWORKS = (
     Framework("trl", "TRL's SFTTrainer", "trl 1.16.0", False, 2, "trl",
               "trl/trainer/sft_trainer.py (no prepare_model_for_kbit_training; trainable parameters of a "
               "quantized model cast to bf16; add_fused_lm_head in every SFTTrainer); trl/trainer/utils.py "
-              "create_model_from_path (dtype float32 unless model_init_kwargs.dtype: --precision says which)"),
+              "create_model_from_path (dtype float32 unless model_init_kwargs.dtype: --precision says which)",
+              unwritten=("checkpoint_every", "optimizer_in_backward")),
     Framework("axolotl", "axolotl", "axolotl 0.18.0", False, 4, "hf",
               "src/axolotl/loaders/model.py (peft's prepare_model_for_kbit_training, then norms, embed_tokens and "
               "lm_head cast back to the load dtype); loaders/adapter.py (peft's fp32 adapters); the HF "
               "Trainer's loss unless the liger / cut_cross_entropy plugins",
-              pins="transformers 5.14.1, peft 0.19.1, trl 1.8.0, bitsandbytes 0.49.1"),
+              pins="transformers 5.14.1, peft 0.19.1, trl 1.8.0, bitsandbytes 0.49.1",
+              unwritten=("checkpoint_every", "optimizer_in_backward")),
     Framework("llamafactory", "LLaMA-Factory", "LLaMA-Factory 0.9.6.dev0", False, 4, "hf",
               "src/llamafactory/model/model_utils/checkpointing.py prepare_model_for_training (upcast_layernorm "
               "off by default, embeddings and head never upcast); model/adapter.py (trainable parameters cast "
               "to fp32); the HF Trainer's loss unless enable_liger_kernel",
-              pins="transformers <= 5.8.0, peft <= 0.18.1, trl <= 0.24.0"),
+              pins="transformers <= 5.8.0, peft <= 0.18.1, trl <= 0.24.0",
+              unwritten=("checkpoint_every", "optimizer_in_backward")),
     Framework("unsloth", "Unsloth", "unsloth 2026.8.19 / unsloth-zoo 2026.8.13", False, 4, "unsloth",
               "unsloth_zoo/training_utils.py prepare_model_for_training (only LoRA weights upcast); "
               "unsloth_zoo/fused_losses/cross_entropy_loss.py (chunked fused cross-entropy); "
               "unsloth_zoo/gradient_checkpointing.py (layer inputs offloaded to pinned host memory)",
-              pins="trl <= 0.24.0, transformers <= 5.5.0"),
+              pins="trl <= 0.24.0, transformers <= 5.5.0",
+              unwritten=("checkpoint_every", "optimizer_in_backward")),
     # its CEWithChunkedOutputLoss is part of its own step (estimator/torchtune.py): Setup.loss stays "hf"
     Framework("torchtune", "torchtune's single-device recipes", "torchtune 0.6.1", False, 2, "hf",
               "recipes/lora_finetune_single_device.py, full_finetune_single_device.py (bf16 model and adapters, "
               "no autocast); torchtune/modules (its own TransformerDecoder, estimator/torchtune.py); "
               "torchtune/modules/loss CEWithChunkedOutputLoss (8 bf16 logit chunks, fp32 log-probs kept); "
-              "torchao to_nf4 (QLoRA)"),
+              "torchao to_nf4 (QLoRA)",
+              unwritten=("checkpoint_every",)),
 )
 
 FRAMEWORKS = tuple(f.name for f in _FRAMEWORKS)
