@@ -114,7 +114,9 @@ def _check_report(report: dict, plan: Plan) -> None:
     assert report["plan"]["method"] == setup.method
 
 
-@pytest.mark.parametrize("shape", [pytest.param("full", marks=pytest.mark.slow), "lora", "qlora"])
+# LoRA in the full tier: the fast tier's emitted LoRA step is test_plan_judgement's (llama-3.1-8b on an RTX 4090)
+@pytest.mark.parametrize("shape", [pytest.param("full", marks=pytest.mark.slow),
+                                   pytest.param("lora", marks=pytest.mark.slow), "qlora"])
 def test_single_gpu_plans_run(emitted, shape):
     folder, plan = emitted[shape]
     report = run_emitted(folder)

@@ -39,11 +39,11 @@ def _resident(p: Plan) -> bool:
     return p.fits and not p.tight and residency(p.setup) == 0
 
 
-def switch_framework(run: Callable[..., Plan], fixed: dict[str, Any], chosen: Plan) -> Plan:
+def switch_framework(run: Callable[..., Plan], fixed: dict[str, Any], chosen: Plan, relax: bool = True) -> Plan:
     """``chosen`` (the HF recipe's plan, ``run(**fixed)``), or the plan of the first of
     :data:`ALTERNATIVES` that stays in VRAM with its margins on one GPU where the HF recipe's does not
     (or, when nothing else does, the first that fits where the HF recipe's does not fit at all), with a
-    ``framework`` note."""
+    ``framework`` note; ``relax``: the switched plan's what-would-fit notes (planner.py)."""
     if _resident(chosen) or fixed.get("objective", "sft") != "sft":
         return chosen
     fallback, tried = None, []
@@ -69,9 +69,10 @@ def switch_framework(run: Callable[..., Plan], fixed: dict[str, Any], chosen: Pl
         if chosen.fits or closest is None or (closest.breakdown.device_total_bytes
                                               >= chosen.breakdown.device_total_bytes):
             return chosen
-        near = run(**with_framework_defaults({**fixed, "framework": closest.setup.framework}), relax=True)
+        near = (run(**with_framework_defaults({**fixed, "framework": closest.setup.framework}), relax=True)
+                if relax else closest)
         return _switched(near, chosen, [p for p in tried if p is not closest])
-    if fallback.tight:  # the plan is the fallback's: its notes say what fits with the margins (planner.py)
+    if fallback.tight and relax:  # the plan is the fallback's: its notes say what fits with the margins (planner.py)
         fallback = run(**with_framework_defaults({**fixed, "framework": fallback.setup.framework}), relax=True)
     return _switched(fallback, chosen, [p for p in tried if p is not fallback])
 

@@ -85,12 +85,18 @@ def _plan_any(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, no
                   global_batch=global_batch, tokens_per_step=tokens_per_step, dataset_tokens=dataset_tokens,
                   error_band=error_band, margin=margin, corrections=corrections,
                   host_ram_source=host_ram_source, details=details, stack=stack)
-    chosen = one(**fixed, relax=relax)
     if gpus != 1 or nodes != 1:
-        return chosen
+        return one(**fixed, relax=relax)
     if "framework" in fixed:
+        chosen = one(**fixed, relax=relax)
         return other_framework(one, user_fixed, chosen) if relax else chosen
-    return switch_framework(one, fixed, chosen)
+    # the HF recipe's plan first without its what-would-fit re-searches (relax only adds notes to a tight
+    # plan or one that does not fit): wasted where another framework's plan replaces it
+    chosen = one(**fixed, relax=False)
+    picked = switch_framework(one, fixed, chosen, relax)
+    if picked is chosen and relax and (not chosen.fits or chosen.tight):
+        return one(**fixed, relax=True)
+    return picked
 
 
 def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes: int, host_ram: int | str | None,
