@@ -20,6 +20,7 @@ import json
 
 import yaml
 
+from ..setup.frameworks import framework
 from ..specs import ModelSpec, Plan, Setup, SpecError
 from .common import ACCELERATE_CONFIG, DS_CONFIG, PLAN_FILE, comment, estimate_line, uses_deepspeed
 
@@ -48,11 +49,13 @@ _TODO = {
 #: search would otherwise pick savers the framework has no field for: torchtune builds its own
 #: modules, so no Liger and no attention choice, and shards with FSDP, not ZeRO)
 LIMITS = {"torchtune": {"liger": False, "attn": "auto", "zero_stage": 0}}
-# selective checkpointing: no framework writer writes it yet (hf_configs.common_refusal)
-LIMITS = {fmt: {**LIMITS.get(fmt, {}), "checkpoint_every": 1} for fmt in (*FRAMEWORKS, "hf")}
-# the optimizer in backward: torchtune's optimizer_in_bwd; axolotl, LLaMA-Factory, TRL and TrainingArguments
-# have no field for it (hf_configs.common_refusal), so a plan from their files does not turn it on
-LIMITS = {fmt: {**LIMITS[fmt], **({} if fmt == "torchtune" else {"optimizer_in_backward": False})} for fmt in LIMITS}
+#: where a knob the framework's config has no field for is held (hf_configs.common_refusal)
+_UNWRITTEN_AT = {"checkpoint_every": 1, "optimizer_in_backward": False}
+# each framework's unwritten knobs (setup/frameworks.py Framework.unwritten: its plans do not search them
+# either); TrainingArguments files ("hf") have neither field
+LIMITS = {fmt: {**LIMITS.get(fmt, {}), **{k: _UNWRITTEN_AT[k] for k in
+                                          (tuple(_UNWRITTEN_AT) if fmt == "hf" else framework(fmt).unwritten)}}
+          for fmt in (*FRAMEWORKS, "hf")}
 
 
 def framework_limits(fmt: str) -> dict:
