@@ -38,9 +38,19 @@ CARDS = {
     "rtx-3070-laptop": (["3070-laptop", "rtx-3070-mobile", "3070m", "NVIDIA GeForce RTX 3070 Laptop GPU"], 8192, 33.2),
     "rtx-3080-laptop-16gb": (["rtx-3080-laptop", "3080-laptop", "3080-laptop-16gb",
                               "NVIDIA GeForce RTX 3080 Laptop GPU"], 16384, 42.0),
+    # Blackwell GeForce (GB20x): nvidia-smi totals as public outputs print them (8151 / 12227 / 16303 MiB)
+    "rtx-5060": (["5060", "rtx5060", "geforce-rtx-5060", "RTX 5060"], 8151, 38.4),
+    "rtx-5060-ti-8gb": (["5060-ti-8gb", "5060ti-8gb", "geforce-rtx-5060-ti-8gb"], 8151, 47.4),
+    "rtx-5060-ti-16gb": (["5060-ti-16gb", "rtx-5060-ti", "5060ti", "geforce-rtx-5060-ti-16gb"], 16303, 47.4),
+    "rtx-5070": (["5070", "rtx5070", "geforce-rtx-5070"], 12227, 61.7),
+    "rtx-5070-ti": (["5070-ti", "5070ti", "rtx5070ti", "geforce-rtx-5070-ti"], 16303, 87.9),
+    "rtx-5080": (["5080", "rtx5080", "geforce-rtx-5080"], 16303, 112.6),
 }
 
-#: per-SM dense FP16/BF16 tensor FLOP per clock with FP32 accumulate on GeForce GA10x and AD10x
+#: compute capability by architecture (GA10x, AD10x, GB20x)
+CAPABILITY = {"ampere": "8.6", "ada": "8.9", "blackwell": "12.0"}
+
+#: per-SM dense FP16/BF16 tensor FLOP per clock with FP32 accumulate on GeForce GA10x, AD10x and GB20x
 FLOP_PER_SM_CLOCK = 512
 
 
@@ -62,7 +72,7 @@ def test_each_new_card_resolves_by_name_and_aliases(name):
     raw = next(g for g in _raw() if g["name"] == name)
     assert raw["memory_bytes"] == total_mib * MiB
     assert raw["bf16_tflops_dense"] == raw["fp16_tflops_dense"] == gpu.bf16_tflops_dense == tflops
-    assert raw["compute_capability"] == ("8.9" if raw["architecture"] == "ada" else "8.6")
+    assert raw["compute_capability"] == CAPABILITY[raw["architecture"]]
     # the source names the SMs and clock the rate was derived from, and they give the rate
     derived = re.search(r"\((\d+) SMs @ (\d+) MHz", raw["source"])
     assert derived, raw["source"]
@@ -98,7 +108,7 @@ def test_usable_memory_follows_the_reserve_rule_for_every_profile():
 
 def test_eight_gb_cards_have_less_than_eight_gib_usable():
     eight = [n for n, (_, mib, _) in CARDS.items() if mib <= 8192]
-    assert len(eight) == 8
+    assert len(eight) == 10
     for name in eight:
         assert vramplan.load_gpu(name).usable_memory_bytes < 8 * GiB, name
 
@@ -109,6 +119,8 @@ def test_bare_3080_is_the_10gb_card_and_warns_of_the_others():
     assert chosen == "rtx-3080-10gb" and "rtx-3080-12gb" in others
     chosen, others = ambiguous_gpu_alias("rtx-4060-ti")
     assert chosen == "rtx-4060-ti-16gb" and others == ["rtx-4060-ti-8gb"]
+    chosen, others = ambiguous_gpu_alias("rtx-5060-ti")
+    assert chosen == "rtx-5060-ti-16gb" and others == ["rtx-5060-ti-8gb"]
     assert ambiguous_gpu_alias("rtx-4060") is None and ambiguous_gpu_alias("rtx-4060-laptop") is None
 
 

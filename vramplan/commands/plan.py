@@ -105,6 +105,7 @@ _MORE_KNOBS = {
     "generation": "GRPO generation engine  [default: hf]",
     "vllm_memory_fraction": "GRPO vLLM colocated share of the card  [default: 0.3]",
     "eval_batch": "Per-device eval batch of the run's evals, judged as its own phase  [default: 0: no eval]",
+    "compile": "torchtune's compile: True, its compiled loss (--framework torchtune)  [default: no]",
 }
 
 

@@ -63,7 +63,7 @@ FIELD_KEYS = {
     "precision": ("dtype",), "optimizer": ("optimizer._component_", "optimizer.fused"),
     "checkpointing": ("enable_activation_checkpointing",), "batch": ("batch_size",), "seq": ("tokenizer.max_seq_len",),
     "grad_accum": ("gradient_accumulation_steps",), "offload_params": ("fsdp_cpu_offload",),
-    "optimizer_in_backward": ("optimizer_in_bwd",),
+    "optimizer_in_backward": ("optimizer_in_bwd",), "compile": ("compile",),
 }
 
 
@@ -166,7 +166,7 @@ def torchtune_config(s: Setup, model: ModelSpec, *, model_id: str, nodes: int = 
         "max_steps_per_epoch": None,
         "gradient_accumulation_steps": s.grad_accum,
         "optimizer_in_bwd": s.optimizer_in_backward,  # one optimizer per parameter, stepped in backward
-        "compile": False,
+        "compile": s.compile,  # the compiled loss is modelled (estimator/torchtune.py); the layers kept eager
         "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger",
                           "log_dir": "${output_dir}/logs"},
         "log_every_n_steps": 1,

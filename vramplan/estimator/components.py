@@ -8,7 +8,7 @@ from typing import Any
 from ..specs import PHASES, Component, Setup
 from ..util.units import PRECISION_WEIGHT_DTYPE
 from . import activations as act
-from . import knobs, selective, transients, unsloth
+from . import knobs, selective, torchtune, transients, unsloth
 from .hybrid_shard import hsdp_held
 from .precision import adapter_param_bytes, kbit_upcast
 
@@ -63,6 +63,7 @@ def step_components(setup: Setup, st: Any, a: Any, recompute: int,
                   note="TRL's fused log-prob head (4096 x 32768 tiles, fp32 gradients)"
                   if setup.objective != "sft" or setup.loss == "trl"
                   else unsloth.LOSS_NOTE if setup.loss == "unsloth"
+                  else torchtune.loss_note(setup) if torchtune.torchtune(setup)
                   else "logits, fp32 upcast and its gradient" if setup.loss == "hf"
                   else f"one {transients.LOSS_CHUNK_TOKENS}-token chunk at a time (chunked loss)"),
         Component("deepspeed_buffers", st.buffers, PHASES) if st.buffers and not st.ddp_buckets else None,

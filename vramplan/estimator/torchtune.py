@@ -58,7 +58,8 @@ from ..util.errors import SpecError
 from . import optimizers as opt_rules
 from .lora import adapted_linears, lora_params
 
-__all__ = ["CHUNKS", "check", "layer_saved_per_token", "states", "step", "weights_bytes"]
+__all__ = ["CHUNKS", "check", "layer_saved_per_token", "loss_bytes", "loss_note", "states", "step", "torchtune",
+           "weights_bytes"]
 
 #: CEWithChunkedOutputLoss's default ``num_output_chunks`` (every recipe config keeps it)
 CHUNKS = 8
@@ -200,11 +201,24 @@ def _chunk_tokens(setup: Setup) -> int:
     return setup.batch * math.ceil(setup.seq / CHUNKS)
 
 
+def loss_note(setup: Setup) -> str:
+    return (f"{CHUNKS} bf16 logit chunks; compiled cross-entropy: no fp32 logits" if setup.compile else
+            f"{CHUNKS} bf16 logit chunks, every chunk's fp32 log-probs (CEWithChunkedOutputLoss, eager)")
+
+
 def loss_bytes(model: ModelSpec, setup: Setup) -> tuple[int, int]:
     """(at the last chunk's cross-entropy, at the backward's start): the bf16 logit chunks, the fp32
     log-probs every chunk keeps, one chunk's fp32 upcast; then the log-probs and one chunk's two fp32
-    gradients (nll_loss's and log_softmax's)."""
+    gradients (nll_loss's and log_softmax's).
+
+    Compiled (``compile: True``: ``training.compile_loss`` compiles ``compute_cross_entropy``, one chunk's
+    upcast and cross-entropy, with inductor): the compiled function saves its bf16 input chunk and two
+    fp32 numbers per token (the row max and log-sum-exp), and its kernels materialize no fp32 logits:
+    the bf16 chunks stay to the backward, which starts with one chunk's bf16 gradient (read off the
+    saved tensors and inductor's generated code on the CPU: tests/test_torchtune_compile.py)."""
     N, V, C = setup.tokens, model.vocab_size, _chunk_tokens(setup)
+    if setup.compile:
+        return _C * N * V + 8 * N, _C * N * V + 8 * N + _C * C * V
     return _C * N * V + 4 * N * V + 4 * C * V, 4 * N * V + 8 * C * V
 
 

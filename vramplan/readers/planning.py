@@ -34,7 +34,7 @@ SEARCHED_OPTIMIZERS = frozenset({"adamw", "adamw-fused", "adamw-8bit"})
 KEPT = ("method", "quant", "double_quant", "quant_bits", "quant_group_size", "lora_rank", "lora_alpha",
         "lora_dropout", "lora_targets", "precision", "loss", "optimizer", "attn", "dora", "modules_to_save",
         "padding_free", "liger", "objective", "max_prompt_length", "max_completion_length", "num_generations",
-        "ref_model", "generation", "vllm_memory_fraction", "eval_batch", "framework")
+        "ref_model", "generation", "vllm_memory_fraction", "eval_batch", "framework", "compile")
 
 _ADAPTER_KNOBS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "dora", "modules_to_save")
 _OBJECTIVE_KNOBS = ("objective", "max_prompt_length", "max_completion_length", "num_generations", "ref_model",
@@ -84,6 +84,8 @@ def kept_knobs(setup: Setup) -> dict[str, Any]:
         kept["attn"] = "flash"
     if setup.padding_free:  # the collator the file's data runs through (needs flash attention: kept above)
         kept["padding_free"] = True
+    if setup.compile:  # torchtune's compile: True (its compiled loss): the user's run, never searched
+        kept["compile"] = True
     if setup.liger:  # a file that runs Liger keeps it; one without it may get it as a memory saver
         kept["liger"] = True
     # the framework that runs the file (its preparation: setup/frameworks.py), the HF recipe included: a plan

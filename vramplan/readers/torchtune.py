@@ -144,6 +144,11 @@ def _framework(f: Fields, base: str, m: Mapped) -> None:
             why = "this setup (LoRA on the head, selective checkpointing or offloading)"
     if why is None:
         s["framework"] = "torchtune"  # its CEWithChunkedOutputLoss is part of its step (Setup.loss stays hf)
+        if f.bool("compile", False):  # its compiled loss is modelled (estimator/torchtune.py loss_bytes)
+            s["compile"] = True
+            m.warnings[:] = [w for w in m.warnings if w.field != "compile"]
+            m.assume("compile", True, "its compiled cross-entropy is modelled; the compiled layers are estimated "
+                     "eager (what their recompute keeps: an upper bound)")
         # torchtune's own NF4 (torchao) is what its step models: bitsandbytes' stand-in is not assumed
         m.warnings[:] = [w for w in m.warnings if not (w.field == "model._component_" and "bitsandbytes" in w.why)]
     else:

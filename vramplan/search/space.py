@@ -65,6 +65,8 @@ FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", 
            "activation_offload",
            # how the data is batched (a padding-free collator): the user's pipeline, fixed, never searched
            "padding_free",
+           # torch.compile as the framework applies it (torchtune's compiled loss): the user's choice, never searched
+           "compile",
            # searched where legal (:meth:`Space.in_backward_choices`); a fixed one is kept
            "optimizer_in_backward",
            # quality choices of the adapters (estimator/knobs.py): fixed, never searched

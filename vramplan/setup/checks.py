@@ -172,6 +172,10 @@ def check_framework(setup: Setup) -> None:
     its model preparation (setup/frameworks.py); what it replaces of the step is refused until modelled."""
     from .frameworks import framework
 
+    if setup.compile and setup.framework != "torchtune":
+        raise SpecError("--compile is modelled for torchtune's compile: True (its compiled cross-entropy, "
+                        "--framework torchtune); torch.compile elsewhere (the Trainer's torch_compile, axolotl's, "
+                        "LLaMA-Factory's) is not: estimate without it, an upper bound")
     if setup.framework == "hf":
         return
     fw = framework(setup.framework)

@@ -55,8 +55,8 @@ GENERATIONS = ("hf", "vllm-colocate", "vllm-server")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 PP_MODELLED_SCHEDULES = ("gpipe", "1f1b")
 #: Fields ``Setup.to_dict`` leaves out at their defaults (``from_dict`` restores them): the pipeline's
-#: and expert parallelism's, added after the committed records and baselines were written
-OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep")
+#: and expert parallelism's and torch.compile's, added after the committed records and baselines were written
+OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep", "compile")
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,9 @@ class Setup:
     padding_free: bool = False
     #: per-device eval batch (Trainer ``per_device_eval_batch_size``) when the run evaluates; 0: no eval
     eval_batch: int = 0
+    #: ``torch.compile`` as the framework applies it: modelled for torchtune's ``compile: True`` (its
+    #: compiled cross-entropy, estimator/torchtune.py); refused elsewhere (setup/checks.py)
+    compile: bool = False
     # ---- model parallelism ----------------------------------------------------------------------
     #: layers split over ``gpus`` GPUs of one process (accelerate ``device_map``)
     device_map: str = "none"
