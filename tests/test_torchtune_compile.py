@@ -14,7 +14,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from vramplan import Setup, estimate, load_model
+from vramplan import Setup, estimate, load_gpu, load_model
 from vramplan.cli import main
 from vramplan.estimator import torchtune as tt
 from vramplan.util.errors import SpecError
@@ -151,7 +151,7 @@ def total(chunks, labels):
     _check(_probe(python, loss, 2048, 4096), 2048, 4096)
 
 
-def test_plan_fixes_compile_for_torchtune_and_refuses_it_elsewhere():
+def test_plan_fixes_compile_either_way_for_torchtune_and_refuses_it_elsewhere():
     def plan(*extra):
         r = CliRunner().invoke(main, ["plan", "llama-3.2-3b", "--gpu", "rtx-4060", "--seq", "4096", "--json", *extra])
         return r.exit_code, r.output
@@ -159,7 +159,7 @@ def test_plan_fixes_compile_for_torchtune_and_refuses_it_elsewhere():
     code, out = plan("--framework", "torchtune", "--compile")
     assert code == 0, out
     compiled = json.loads(out[out.index("{"):])
-    code, out = plan("--framework", "torchtune")
+    code, out = plan("--framework", "torchtune", "--no-compile")
     eager = json.loads(out[out.index("{"):])
     assert compiled["setup"]["compile"] is True and "compile" not in eager["setup"]  # (omitted at its default)
 
@@ -169,3 +169,18 @@ def test_plan_fixes_compile_for_torchtune_and_refuses_it_elsewhere():
     assert loss(compiled) * eager["setup"]["batch"] < loss(eager) * compiled["setup"]["batch"]
     code, out = plan("--compile")
     assert code == 2 and out.startswith("error: ") and "--compile is modelled for torchtune" in out
+
+
+def test_torchtunes_plan_takes_compile_only_where_eager_does_not_fit():
+    def plan(model, gpu):
+        r = CliRunner().invoke(main, ["plan", model, "--gpu", gpu, "--framework", "torchtune", "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output[r.output.index("{"):])
+
+    small = plan("llama-3.1-8b", "rtx-4060")  # eager QLoRA: 8.9 GiB of 7.9
+    assert small["fits"] and small["setup"]["compile"] is True and small["setup"]["method"] == "qlora"
+    eager = estimate(load_model("llama-3.1-8b"), Setup.from_dict({**small["setup"], "compile": False}),
+                     load_gpu("rtx-4060"))
+    assert eager.device_total_bytes > small["gpu"]["usable_memory_bytes"]
+    big = plan("llama-3.1-8b", "rtx-4090")  # a plain plan fits: no compile (an extra: minutes of compilation)
+    assert "compile" not in big["setup"]

@@ -69,6 +69,19 @@ def test_quantized_setups_are_refused_with_a_reason():
     assert issubclass(NotTraceable, SpecError)
 
 
+def test_steps_the_tracer_does_not_run_are_refused_not_mislabelled():
+    """Unsloth's and torchtune's own steps, and TRL's or Unsloth's fused losses, are not what the tracer
+    runs (transformers' model and loss): a trace of them would be another step under their name."""
+    m = with_layers(load_model("llama-3.2-1b"), 2)
+    for kw, match in (({"framework": "unsloth", "loss": "unsloth"}, "--framework unsloth runs its own step"),
+                      ({"framework": "torchtune", "precision": "bf16"}, "--framework torchtune runs its own step"),
+                      ({"framework": "trl", "loss": "trl"}, "--loss trl is traced by `vramplan validate --knob loss`")):
+        with pytest.raises(NotTraceable, match=match):
+            trace(m, Setup(method="lora", seq=64, **kw))
+    # TRL's step with transformers' loss is the one traced
+    assert trace(m, Setup(method="lora", seq=64, framework="trl", loss="hf")).tensor_peak_bytes > 0
+
+
 def test_boolean_sdpa_mask_becomes_an_additive_one_per_call():
     """torch 2.13's SDPA turns a boolean mask into a new additive one in the query's dtype at every
     call (convert_boolean_attn_mask; checked on the installed torch), which CUDA's memory-efficient

@@ -188,6 +188,12 @@ def trace_numbers(config: dict, setup: Setup, num_layers: int | None = None, ste
                            "it needs a real run (the measured tier)")
     if setup.zero_stage or setup.gpus > 1:
         raise NotTraceable("DeepSpeed/multi-GPU steps are not traced; it needs a real run (the measured tier)")
+    if setup.framework in ("unsloth", "torchtune"):  # their own model, kernels and loss: not transformers' step
+        raise NotTraceable(f"--framework {setup.framework} runs its own step (docs/frameworks.md), which the tracer "
+                           "does not run (it traces transformers/peft); the analytic estimate models it")
+    if setup.loss in ("trl", "unsloth"):  # the tracer runs transformers' loss (or --loss chunked / Liger's)
+        raise NotTraceable(f"--loss {setup.loss} is traced by `vramplan validate --knob loss` "
+                           "(vramplan/truths/objective_trace.py), not by trace; --loss hf traces transformers' loss")
     if setup.objective != "sft":  # the DPO/GRPO step is traced by truths/objective_trace.py
         raise NotTraceable(f"--objective {setup.objective} is traced by `vramplan validate --knob "
                            f"{setup.objective}` (vramplan/truths/objective_trace.py), not by trace")

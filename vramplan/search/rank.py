@@ -103,9 +103,10 @@ def extras(setup: Setup) -> int:
     """How many non-default parts a plan adds to the run: Liger's kernels (liger-kernel, Triton, CUDA),
     vLLM for GRPO's generation (another engine beside the trainer), DPO's reference log-probs
     precomputed (a pass over the data before training), the optimizer stepped in backward (one optimizer
-    per parameter, no gradient clipping or accumulation)."""
+    per parameter, no gradient clipping or accumulation), torchtune's ``compile: True`` (minutes of
+    compilation before the first step; its speed-up is not modelled)."""
     return (int(setup.liger) + int(setup.generation != "hf") + int(setup.ref_model == "precomputed")
-            + int(setup.optimizer_in_backward))
+            + int(setup.optimizer_in_backward) + int(setup.compile))
 
 
 def klass(setup: Setup) -> tuple[int, int]:
@@ -119,7 +120,7 @@ def order(c: Candidate) -> tuple:
     """Sort key of the choice, best last: residency, tier, tokens/s, without Liger's kernels at
     equal speed (one dependency fewer), rank, less memory. Liger is a GPU-resident saver: reached
     for before offload and before a lower tier."""
-    return (-residency(c.setup), tier(c.setup), c.tokens_per_s, -int(c.setup.liger),
+    return (-residency(c.setup), tier(c.setup), c.tokens_per_s, -int(c.setup.liger), -int(c.setup.compile),
             c.setup.lora_rank if c.setup.adapters else 0, -c.device_total_bytes)
 
 

@@ -65,7 +65,8 @@ FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", 
            "activation_offload",
            # how the data is batched (a padding-free collator): the user's pipeline, fixed, never searched
            "padding_free",
-           # torch.compile as the framework applies it (torchtune's compiled loss): the user's choice, never searched
+           # torch.compile as the framework applies it (torchtune's compiled loss): searched as a saver for
+           # torchtune (:meth:`Space._savers`), a fixed one kept
            "compile",
            # searched where legal (:meth:`Space.in_backward_choices`); a fixed one is kept
            "optimizer_in_backward",
@@ -214,6 +215,8 @@ class Space:
     def _savers(self, family: Setup, attns: tuple[str, ...]) -> list[Setup]:
         # Liger's kernels where they are modelled (estimator/liger.py): a saver, not a quality change
         ligers = self.choices("liger", (False, True) if liger_applies(self.model, family) else (False,))
+        # torchtune's compile: True: its compiled loss saves memory (estimator/torchtune.py), searched as a saver
+        compiles = self.choices("compile", (False, True) if family.framework == "torchtune" else (False,))
         objective = self.objective_knobs(family)
         out = []
         for z, o, p, m in self.placements():
@@ -225,11 +228,12 @@ class Space:
                 if deepspeed_offload and opt not in ("adamw", "adamw-fused"):
                     continue
                 for ck, every in self.checkpointing_choices(family, z, m):
-                    for attn, liger, obj in itertools.product(self.choices("attn", attns), ligers, objective):
+                    for attn, liger, comp, obj in itertools.product(self.choices("attn", attns), ligers, compiles,
+                                                                    objective):
                         try:  # a GPTQ/AWQ base refuses ZeRO placements
                             s = family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m, tp=1,
                                                optimizer=opt, checkpointing=ck, checkpoint_every=every, attn=attn,
-                                               liger=liger, **obj)
+                                               liger=liger, compile=comp, **obj)
                             if every > 1:
                                 check_selective(self.model, s)
                             check_fsdp2(self.model, s)  # a fixed --fsdp-version 2: only what FSDP2 models
@@ -442,7 +446,8 @@ def saving(s: Setup) -> tuple[int, ...]:
     """How many memory savers a configuration turns on, in an order within one placement
     (checkpointing every layer saves more than every k-th)."""
     return (int(s.checkpointing), -s.checkpoint_every, int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")),
-            int(s.attn != "auto"), int(s.liger), int(s.activation_offload), int(s.optimizer_in_backward))
+            int(s.attn != "auto"), int(s.liger), int(s.activation_offload), int(s.optimizer_in_backward),
+            int(s.compile))
 
 
 def liger_applies(model: ModelSpec, family: Setup) -> bool:

@@ -43,6 +43,8 @@ def describe(setup: Setup) -> str:
         parts.append(f"{setup.loss} loss")
     if setup.liger:
         parts.append("Liger kernels")
+    if setup.compile:
+        parts.append("torch.compile")
     if setup.activation_offload:
         parts.append("activation offload")
     if setup.padding_free:
