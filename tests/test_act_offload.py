@@ -281,3 +281,49 @@ def test_with_trls_fused_head_the_host_holds_the_heads_input_not_log_probs(llama
     trl = hf.replace(framework="trl", loss="trl")
     N = hf.tokens
     assert host_bytes(llama2, hf) - host_bytes(llama2, trl) == 4 * llama2.vocab_size * N - 2 * llama2.hidden_size * N
+
+
+def test_a_soft_capped_head_is_offloaded_under_trls_fused_head_only():
+    """Gemma 2 soft-caps its logits: with transformers' loss the capping's saves sit outside the head (not
+    traced: refused); TRL's fused head applies it inside its tiles, under the manager's NoOpManager, so
+    what reaches the offloader is what it is for Gemma (layer inputs, the fp32 ``1 + w`` final norm)."""
+    gemma2 = load_model("gemma-2-2b")
+    trl = OFF.replace(method="lora", framework="trl", loss="trl")
+    assert estimate(gemma2, trl).host_bytes > 0
+    with pytest.raises(SpecError, match="soft-capping"):
+        estimate(gemma2, OFF.replace(method="lora"))
+
+
+def test_the_torch_folds_backward_keeps_tanh_for_a_soft_capped_head():
+    """TRL's torch fold (no Triton) keeps ``tanh``'s output through ``_backward_tile``: one fp32 tile more
+    (read off the fold: 9.25 tiles with the cap, 8.25 without); the Triton kernel keeps it in registers."""
+    import dataclasses
+
+    from vramplan.estimator.objectives import _tile_fp32, head_terms
+    from vramplan.estimator.stack import Stack
+
+    gemma2 = load_model("gemma-2-2b")
+    uncapped = dataclasses.replace(gemma2, traits=dataclasses.replace(gemma2.traits, final_logit_softcapping=None))
+    s = Setup(method="lora", loss="trl", seq=1024)
+    fold, triton = Stack(trl_triton=False), Stack(trl_triton=True)
+    tile = _tile_fp32(gemma2, s, 1024)
+    assert head_terms(gemma2, s, 1024, True, fold)[1] - head_terms(uncapped, s, 1024, True, fold)[1] == tile
+    assert head_terms(gemma2, s, 1024, True, triton) == head_terms(uncapped, s, 1024, True, triton)
+    assert head_terms(gemma2, s, 1024, True, fold)[0] == head_terms(uncapped, s, 1024, True, fold)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_gemma2_under_trls_head_and_offloading_meets_sftrainers_real_step(method):
+    """TRL 1.16's SFTTrainer with its offloading manager on a narrow Gemma 2 (12 layers, the CPU playing the
+    device): the tensor peak and the host copies. The forward's phase peak is 5-6 % over the estimate, as
+    it is without offloading (the torch fold's boolean masks and eager soft-capped attention on the CPU)."""
+    from vramplan.validate.matrix import Case, run_case
+    from vramplan.validate.objectives import DEEP_SHRINK, OFFLOAD_TRL
+
+    setup = next(s for s in OFFLOAD_TRL if s.method == method and s.quant in ("none", "nf4") and s.grad_accum == 1)
+    rows = {r.quantity: r for r in run_case(Case("activation_offload", "google/gemma-2-2b", setup, "trl-cpu",
+                                                 shrink=dict(DEEP_SHRINK)))}
+    err = {q: r.estimated_bytes / r.traced_bytes - 1 for q, r in rows.items()}
+    assert abs(err["tensor_peak_bytes"]) <= 0.03 and abs(err["host_bytes"]) <= 0.01, err
+    assert abs(err["forward_peak_bytes"]) <= 0.06, err

@@ -32,7 +32,8 @@ trace`` of the real manager (vramplan/run/act_offload.py), the device moments ar
   resident one (:func:`top_layers_saving_bytes`); **the optimizer step**: the stale pair again.
 
 Modelled: full fine-tuning and LoRA with checkpointing, a 16-bit step on a 16-bit base,
-transformers' loss, one GPU, the RMSNorm families (Llama, Qwen, Mistral; Gemma's fp32 ``1 + w``), with
+transformers' loss, one GPU, the RMSNorm families (Llama, Qwen, Mistral; Gemma's fp32 ``1 + w``; Gemma 2 under
+TRL's fused head, which soft-caps inside its tiles: tests/test_act_offload.py), with
 gradient accumulation (the manager is entered once per micro-step). Refused, each with its reason
 (setup_checks.check_activation_offload): no checkpointing (every saved tensor is offloaded, but the
 storage deduplication keeps each tensor saved twice within the stash window on the device: the

@@ -201,7 +201,10 @@ def head_terms(model: ModelSpec, setup: Setup, scored: int, grad: bool,
     if not grad:
         return forward, 0
     head_w = 4 * V * h if setup.method == "full" else 0  # its cast replaces the fp32 one (read off the trace)
-    backward = buf + (4 + c) * scored * h + head_w + TORCH_FOLD_TILES["backward"] * tiles
+    # a soft-capped head (Gemma 2): the fold's backward keeps ``tanh``'s output for its derivative, one fp32
+    # tile more (read off ``_backward_tile``); the Triton kernel computes it in registers
+    fold_bwd = TORCH_FOLD_TILES["backward"] + (1 if model.traits.final_logit_softcapping else 0)
+    backward = buf + (4 + c) * scored * h + head_w + fold_bwd * tiles
     return forward, backward
 
 

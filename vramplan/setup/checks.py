@@ -132,7 +132,9 @@ def check_activation_offload(model: ModelSpec, setup: Setup) -> None:
     elif (setup.method == "qlora" or setup.quant != "none") and setup.framework != "trl":
         why = ("on a quantized base: verified with TRL's SFTTrainer preparing the model (--framework trl), "
                "not with this framework's preparation")
-    elif model.traits.norm not in ("rms", "rms_fp32_mul") or model.traits.final_logit_softcapping:
+    elif model.traits.norm not in ("rms", "rms_fp32_mul") or (model.traits.final_logit_softcapping
+                                                               and setup.loss != "trl"):
+        # (TRL's fused head applies the soft-capping inside its tiles, under the manager's NoOpManager)
         why = f"on {model.name} (its final norm or logit soft-capping saves other tensors): not traced yet"
     elif setup.precision not in ("bf16", "fp16"):
         why = f"with --precision {setup.precision}: modelled for a 16-bit step (bf16, fp16)"
