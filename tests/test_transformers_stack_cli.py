@@ -166,3 +166,30 @@ def test_one_option_and_help_text_for_the_three_commands():
     assert all(line in h for h in helps)
     tails = [h[h.index(line):].split("`vramplan doctor`].")[0] for h in helps]
     assert tails[0] == tails[1] == tails[2]
+
+
+def test_a_checks_file_names_the_version_per_check_or_in_its_defaults(tmp_path: Path):
+    """``transformers:`` in a check (or its defaults) is ``--transformers`` for that check; the command
+    line's wins; a YAML float (4.10 reads as 4.1) and a non-version are one error line each."""
+    baseline = str(tmp_path / "b.json")
+
+    def check(text: str, *extra: str):
+        f = tmp_path / "checks.yaml"
+        f.write_text(text)
+        return run("check", str(f), "--baseline", baseline, "--json", *extra)
+
+    per_check = check(CHECKS.replace("    gpu: ", f"    transformers: '{OLD}'\n    gpu: "))
+    assert per_check.exit_code == 0, per_check.output  # 4.x: the quantized experts fit the A100
+    assert json.loads(per_check.stdout)["results"][0]["device_total_bytes"] * 3 < json.loads(
+        check(CHECKS).stdout)["results"][0]["device_total_bytes"]
+    in_defaults = check(f"defaults:\n  transformers: '{OLD}'\n" + CHECKS)
+    assert in_defaults.exit_code == 0
+    a, b = json.loads(in_defaults.stdout), json.loads(per_check.stdout)
+    assert a["results"][0]["device_total_bytes"] == b["results"][0]["device_total_bytes"]
+    assert a["results"][0]["components"] == b["results"][0]["components"]
+    assert check(f"defaults:\n  transformers: '{OLD}'\n" + CHECKS, "--transformers", "5").exit_code == 1
+    for bad, fragment in (("4.10", "in quotes"), ("banana", "not a version")):
+        assert_user_error(check(CHECKS.replace("    gpu: ", f"    transformers: {bad}\n    gpu: ")),
+                          "transformers", fragment)
+    traced = check(f"defaults:\n  transformers: '{OLD}'\n" + CHECKS, "--tier", "trace")
+    assert f"transformers {OLD} is what the analytic tier models" in traced.stderr

@@ -12,7 +12,8 @@ from typing import Any
 from ..setup.inputs import compose_yaml, construct_yaml, loads_json, read_text, resolve_gpu, setup_from_mapping
 from ..specs import GpuSpec, Setup, SpecError
 
-CHECK_KEYS = ("name", "model", "from", "format", "gpu", "gpu_memory", "setup", "must_fit", "tolerance")
+CHECK_KEYS = ("name", "model", "from", "format", "gpu", "gpu_memory", "setup", "must_fit", "tolerance",
+              "transformers")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,30 @@ def _read_mapping(path: Path) -> tuple[Any, dict[int, int]]:
             if getattr(key, "value", None) == "checks" and isinstance(value, yaml.SequenceNode):
                 lines = {i: item.start_mark.line + 1 for i, item in enumerate(value.value)}
     return data, lines
+
+
+def _transformers(value: Any, where: str) -> str | None:
+    """A check's ``transformers:`` (the version its analytic estimate models, as ``check --transformers``):
+    a version string (``"4.48.1"``), a whole major (``5``) or ``installed`` (this machine's). A YAML float
+    is refused: ``4.10`` would read as 4.1."""
+    from ..estimator.stack import Stack
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise SpecError(f"{where}: transformers must be a version in quotes like '4.48.1', or 5; got {value!r}")
+    version = str(value).strip()
+    if version.lower() == "installed":
+        from ..util.versions import library_versions
+
+        version = library_versions(["transformers"])["transformers"] or ""
+        if not version:
+            raise SpecError(f"{where}: transformers: installed, but transformers is not installed here")
+    try:
+        return Stack(transformers=version).transformers
+    except ValueError:
+        raise SpecError(f"{where}: transformers: {value!r} is not a version; write e.g. '4.48.1', 5 or "
+                        "installed") from None
 
 
 def _gpu(gpu: Any, gpu_memory: Any, where: str) -> GpuSpec | None:
@@ -143,6 +168,7 @@ def _check_from_entry(entry: Any, defaults: dict, path: Path, index: int, line: 
         line=line,
         config=config,
         warnings=warnings,
+        transformers=_transformers(merged.get("transformers"), where),
     )
 
 
@@ -211,7 +237,7 @@ def load_specs(paths: Iterable[str | os.PathLike]) -> tuple[CheckSpec, ...]:
         bad = sorted(set(defaults) - (set(CHECK_KEYS) - {"name", "model"}), key=str)
         if bad:
             raise SpecError(f"{path}: defaults: unknown key {bad[0]!r}; "
-                            "defaults may set gpu, gpu_memory, setup, must_fit, tolerance")
+                            "defaults may set gpu, gpu_memory, setup, must_fit, tolerance, transformers")
         specs += [_check_from_entry(e, defaults, path, i, lines.get(i)) for i, e in enumerate(checks)]
     seen: dict[str, str] = {}
     for s in specs:

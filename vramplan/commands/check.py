@@ -73,6 +73,10 @@ def check(specs: tuple[str, ...], baseline_path: str, update: bool, tolerance: s
     baseline = read_baseline(baseline_path)
     if tier == "trace":
         quiet_libraries()
+        for c in checks:  # a checks file's transformers: key, or the version a plan file was planned under
+            if c.transformers:
+                warn(f"check {c.name!r}: transformers {c.transformers} is what the analytic tier models; "
+                     "--tier trace runs the installed transformers")
     applied: dict = {}  # GPU -> Corrections: the loader's warnings print once
 
     def corrections(gpu):
