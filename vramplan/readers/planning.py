@@ -84,8 +84,8 @@ def kept_knobs(setup: Setup) -> dict[str, Any]:
         kept["attn"] = "flash"
     if setup.padding_free:  # the collator the file's data runs through (needs flash attention: kept above)
         kept["padding_free"] = True
-    if setup.compile:  # torchtune's compile: True (its compiled loss): the user's run, never searched
-        kept["compile"] = True
+    if setup.compile:  # torchtune's compile: True (its compiled loss) is kept; a file without it may get it as
+        kept["compile"] = True  # a memory saver (search/space.py)
     if setup.liger:  # a file that runs Liger keeps it; one without it may get it as a memory saver
         kept["liger"] = True
     # the framework that runs the file (its preparation: setup/frameworks.py), the HF recipe included: a plan
