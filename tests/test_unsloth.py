@@ -171,3 +171,28 @@ def test_the_allocator_term_says_unsloth_turns_on_expandable_segments():
              for fw, s in (("unsloth", _unsloth()), ("hf", _setup()))}
     assert "expandable segments" in notes["unsloth"] and "upper bound" in notes["unsloth"]
     assert "expandable" not in notes["hf"]
+
+
+def test_model_types_outside_fastlanguagemodels_dispatch_recompute_as_transformers():
+    """unsloth 2026.8.19 ``FastLanguageModel.from_pretrained`` runs its own decoder forward and fused LoRA
+    kernels for llama, mistral, gemma, gemma2, qwen2, qwen3 and qwen3_moe only; Gemma 3, Phi-3 and the rest
+    go to ``FastModel`` (transformers' modeling code, compiled): their recomputed layer is transformers', said
+    in a warning, while the offloaded checkpointing and the fused loss stay Unsloth's."""
+    from vramplan.setup.checks import check
+
+    s = Setup(framework="unsloth", loss="unsloth", method="qlora", checkpointing=True, seq=4096)
+    hf = s.replace(framework="trl", loss="hf")
+    for name, fast in (("llama-3.2-3b", True), ("qwen3-4b", True), ("gemma-3-1b", False), ("phi-3.5-mini", False)):
+        m = load_model(name)
+        assert unsloth.fast_path(m, s) is fast
+        rec = next(c.bytes for c in estimate(m, s).components if c.name == "recompute")
+        if fast:
+            assert rec == unsloth.recompute_bytes(m, s)
+            assert not any("FastModel" in w for w in check(m, s))
+        else:
+            assert rec == next(c.bytes for c in estimate(m, hf).components if c.name == "recompute")
+            assert rec > unsloth.recompute_bytes(m, s)
+            assert any(f"--framework unsloth on {m.model_type}: FastLanguageModel hands it to FastModel" in w
+                       for w in check(m, s))
+        # Unsloth's offloaded checkpointing and fused loss either way
+        assert estimate(m, s).host_bytes == unsloth.host_bytes(m, s) > 0

@@ -351,7 +351,7 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     # 4-bit copy peaks apart from them (read off the CPU truth: validate --knob quantization)
     t_grad = max(t_mlp, a.attention_backward - mlp_side * N - merged)
     ck = selective.is_checkpointed(setup, idx)  # (every layer, or every k-th: estimator/selective.py)
-    if ck and setup.framework == "unsloth":  # its own decoder forward and fused LoRA kernels (estimator/unsloth.py)
+    if ck and unsloth.fast_path(model, setup):  # its own decoder forward and fused LoRA kernels (estimator/unsloth.py)
         return unsloth.recompute_bytes(model, setup), a.layer_kept
     apart = ck and setup.quant != "int8"
     transient = max(t_grad, a.dequantization) if apart else t_grad + a.dequantization

@@ -56,7 +56,8 @@ from ..util.units import GiB, MiB
 from .precision import compute_bytes
 
 __all__ = ["CE_TARGET_CAP_BYTES", "LOSS_NOTE", "OFFLOAD_MIN_SEQ", "checkpoint_note", "chunks", "components",
-           "dequantization_buffer_bytes", "device_checkpoint_bytes", "host_bytes", "loss_transients", "offloads",
+           "dequantization_buffer_bytes", "device_checkpoint_bytes", "fast_path", "host_bytes", "loss_transients",
+           "offloads",
            "on_card", "overhead_note", "recompute_bytes", "unsloth"]
 
 #: ``_get_chunk_multiplier``: a chunk's fp32 logits at most min(half the free memory, 4 GiB)
@@ -69,6 +70,16 @@ MINIMUM_OFFLOAD_BYTES = 2 * MiB
 
 def unsloth(setup: Setup) -> bool:
     return setup.framework == "unsloth"
+
+
+def fast_path(model: ModelSpec, setup: Setup) -> bool:
+    """Unsloth runs its own decoder forward and fused LoRA kernels (:func:`recompute_bytes`) for the model
+    types of ``FastLanguageModel``'s dispatch (setup/frameworks.py ``UNSLOTH_FAST_PATH``); others go through
+    ``FastModel``, transformers' modeling code compiled by unsloth-zoo: their recomputed layer is estimated as
+    transformers' (an upper bound for the compiled one)."""
+    from ..setup.frameworks import UNSLOTH_FAST_PATH
+
+    return unsloth(setup) and model.model_type in UNSLOTH_FAST_PATH
 
 
 def offloads(model: ModelSpec, setup: Setup) -> bool:

@@ -10,6 +10,7 @@ warnings (one line each) for one that runs but is probably not what the user mea
 from __future__ import annotations
 
 from ..specs import GpuSpec, LinearSpec, ModelSpec, Setup, SpecError
+from .frameworks import UNSLOTH_FAST_PATH
 
 
 def lora_target_names(setup: Setup) -> list[str] | None:
@@ -311,6 +312,12 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
             f"{model.name}'s {experts / 1e9:.1f}B expert parameters are fused 3-D tensors that bitsandbytes "
             f"does not quantize; --quant {setup.quant} keeps them in fp32 (4 bytes each), more than a 16-bit "
             "LoRA base needs"
+        )
+    if setup.framework == "unsloth" and setup.checkpointing and model.model_type not in UNSLOTH_FAST_PATH:
+        warnings.append(
+            f"--framework unsloth on {model.model_type}: FastLanguageModel hands it to FastModel (transformers' "
+            "modeling code compiled by unsloth-zoo), not Unsloth's fused decoder kernels; its recomputed layer is "
+            "estimated as transformers' (an upper bound)"
         )
     if fsdp_lora_crashes(model, setup):
         warnings.append(

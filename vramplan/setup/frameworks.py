@@ -41,7 +41,14 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "Framework", "framework", "with_framework_defaults"]
+__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "UNSLOTH_FAST_PATH", "Framework", "framework",
+           "with_framework_defaults"]
+
+#: the model types Unsloth's ``FastLanguageModel.from_pretrained`` dispatches to its own decoder forward and
+#: fused LoRA kernels (unsloth 2026.8.19 ``unsloth/models/loader.py``: FastLlamaModel, FastMistralModel,
+#: FastGemmaModel, FastGemma2Model, FastQwen2Model, FastQwen3Model, FastQwen3MoeModel); every other model type
+#: goes to ``FastModel`` (transformers' modeling code, compiled by unsloth-zoo)
+UNSLOTH_FAST_PATH = ("llama", "mistral", "gemma", "gemma2", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
