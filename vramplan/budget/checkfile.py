@@ -78,24 +78,16 @@ def _transformers(value: Any, where: str) -> str | None:
     """A check's ``transformers:`` (the version its analytic estimate models, as ``check --transformers``):
     a version string (``"4.48.1"``), a whole major (``5``) or ``installed`` (this machine's). A YAML float
     is refused: ``4.10`` would read as 4.1."""
-    from ..estimator.stack import Stack
+    from ..estimator.stack import transformers_stack
 
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise SpecError(f"{where}: transformers must be a version in quotes like '4.48.1', or 5; got {value!r}")
-    version = str(value).strip()
-    if version.lower() == "installed":
-        from ..util.versions import library_versions
-
-        version = library_versions(["transformers"])["transformers"] or ""
-        if not version:
-            raise SpecError(f"{where}: transformers: installed, but transformers is not installed here")
     try:
-        return Stack(transformers=version).transformers
-    except ValueError:
-        raise SpecError(f"{where}: transformers: {value!r} is not a version; write e.g. '4.48.1', 5 or "
-                        "installed") from None
+        return transformers_stack(str(value)).transformers
+    except ValueError as exc:
+        raise SpecError(f"{where}: transformers: {exc}") from None
 
 
 def _gpu(gpu: Any, gpu_memory: Any, where: str) -> GpuSpec | None:

@@ -265,20 +265,14 @@ transformers_option = click.option(
 
 def stack_for(version: str | None):
     """The ``Stack`` of ``--transformers``: the default (5), a version, or the installed one."""
-    from ..estimator.stack import DEFAULT_STACK, Stack
-    from ..util.versions import library_versions
+    from ..estimator.stack import DEFAULT_STACK, transformers_stack
 
     if version is None:
         return DEFAULT_STACK
-    if version.strip().lower() == "installed":
-        installed = library_versions(["transformers"])["transformers"]
-        if installed is None:
-            raise SpecError("--transformers installed: transformers is not installed here; give a version (4.48.1)")
-        version = installed
     try:
-        return Stack(transformers=version.strip())
-    except ValueError:
-        raise SpecError(f"--transformers: {version!r} is not a version; write e.g. 4.48.1, 5 or installed") from None
+        return transformers_stack(version)
+    except ValueError as exc:
+        raise SpecError(f"--transformers: {exc}") from None
 
 
 def load_model_checked(model_name: str, setup: Setup, gpu=None):

@@ -146,3 +146,21 @@ def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
         notes.append(f"under transformers 4.x (per-expert nn.Linear layers, quantized by bitsandbytes) the base "
                      f"would take {gib(saving, 1)} GiB less (before sharding); this estimate models transformers 5")
     return notes
+
+
+def transformers_stack(version: str) -> Stack:
+    """The Stack of a transformers version as users write it (``--transformers``, a checks file's
+    ``transformers:``): ``4.48.1``, ``5``, or ``installed`` (this machine's, from package metadata).
+    ValueError, its message saying why, otherwise."""
+    text = str(version).strip()
+    if text.lower() == "installed":
+        from ..util.versions import library_versions
+
+        installed = library_versions(["transformers"])["transformers"]
+        if installed is None:
+            raise ValueError("installed, but transformers is not installed here; give a version (4.48.1)")
+        text = installed
+    try:
+        return Stack(transformers=text)
+    except ValueError:
+        raise ValueError(f"{version!r} is not a version; write e.g. 4.48.1, 5 or installed") from None
