@@ -136,7 +136,7 @@ def test_emit_writes_unsloths_config_and_a_fixed_script(tmp_path):
     from vramplan.emit import render
     from vramplan.emit.unsloth import SCRIPT
 
-    p = plan("llama-3.1-8b", "rtx-4090", seq=32768, framework="unsloth")
+    p = plan("llama-3.1-8b", "rtx-4090", seq=32768, framework="unsloth", method="qlora")
     files = render(p)
     assert sorted(files) == ["unsloth.yaml", "unsloth_train.py", "vramplan.json"]
     cfg = yaml.safe_load(files["unsloth.yaml"])

@@ -383,4 +383,8 @@ def summary_lines(result: dict) -> list[str]:
                      f"{g['cuda_context_bytes'] / 2**20:.0f} MiB; fitted: {', '.join(fitted)}")
         for k, b in (g.get("error_bands") or {}).items():
             lines.append(f"  error band {k.replace('_bytes', '')}: {b['low']:+.1%} / {b['high']:+.1%} ({b['basis']})")
+        b = (g.get("error_bands_resident") or {}).get("device_total_bytes")
+        if b:  # a setup without CPU offload (calibration/reserved_fit.py)
+            lines.append(f"  error band device_total without CPU offload: {b['low']:+.1%} / {b['high']:+.1%} "
+                         f"({b['basis']})")
     return lines

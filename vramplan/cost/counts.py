@@ -121,6 +121,26 @@ def dequant_passes(setup: Setup) -> int:
     return passes_per_micro_step(setup)
 
 
+def tiled_mlp_extra(model: ModelSpec, setup: Setup) -> tuple[float, float]:
+    """Unsloth's tiled MLP (estimator/tiled_mlp.py): (the extra forward FLOPs per token: ``TiledMLP.backward``
+    runs each tile's MLP forward once more; the extra dequantized MLP weights per micro-step: bitsandbytes
+    dequantizes a 4-bit weight at every call, and every tile calls it, in the no-grad forward (and the
+    checkpoint's recompute) and in the backward's forward and backward). (0, 0) untiled."""
+    if not setup.tiled_mlp:
+        return 0.0, 0.0
+    from ..estimator.tiled_mlp import tile_tokens
+
+    mlp = [l for l in model.linears if l.role == "mlp"]
+    flops = 2.0 * sum(l.count * l.weight_params for l in mlp)
+    flops += 2.0 * sum(l.count * setup.lora_rank * (l.in_features + l.out_features)
+                       for l in adapted_linears(model, setup) if l.role == "mlp")
+    if setup.quant not in DEQUANT_BYTES_PER_PARAM:
+        return flops, 0.0
+    tiles = -(-setup.batch * setup.seq // tile_tokens(model, setup))
+    passes = tiles * (4 if setup.checkpointing else 3) - passes_per_micro_step(setup)
+    return flops, float(sum(l.count * l.weight_params for l in mlp)) * max(passes, 0)
+
+
 def passes_per_micro_step(setup: Setup) -> int:
     """How often each weight is used per micro-step: forward, backward, and the recompute."""
     return 3 if setup.checkpointing else 2

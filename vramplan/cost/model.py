@@ -84,6 +84,7 @@ from .counts import (  # noqa: F401  (re-exported: vramplan.cost.model is the pu
     passes_per_micro_step,
     quantized_params,
     stack_of,
+    tiled_mlp_extra,
 )
 from .cp import cp_cost
 from .parallel import shard_group, tp_nodes
@@ -257,10 +258,11 @@ def executed_flops_per_token(model: ModelSpec, setup: Setup, k: Counts | None = 
 def recompute_flops_per_token(model: ModelSpec, setup: Setup, k: Counts | None = None) -> float:
     """Gradient checkpointing runs each checkpointed layer's forward once more in the backward
     (every layer; with ``checkpoint_every`` k, ceil(L / k) of L: estimator/selective.py)."""
+    tiled = tiled_mlp_extra(model, setup)[0]  # Unsloth's tiled MLP: each MLP's forward once more (cost/counts.py)
     if not setup.checkpointing:
-        return 0.0
+        return tiled
     share = checkpointed_count(setup, model.num_layers) / max(model.num_layers, 1)
-    return forward_flops_per_token(model, setup, k) * share
+    return forward_flops_per_token(model, setup, k) * share + tiled
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,7 +423,8 @@ def fitted_units(model: ModelSpec, setup: Setup, gpu: GpuSpec | None, nodes: int
         "recompute": ga * tokens * recompute_flops_per_token(model, setup, k) / rate,
         "lora": ga * tokens * k.lora_width * 2.0 / bw,
         "kbit": ga * tokens * model.num_layers * model.hidden_size * 4.0 / bw if kbit_prepared(setup) else 0.0,
-        "dequant": ga * dequant_passes(setup) * k.quantized_params * DEQUANT_BYTES_PER_PARAM.get(setup.quant, 0.0) / bw,
+        "dequant": ga * (dequant_passes(setup) * k.quantized_params + tiled_mlp_extra(model, setup)[1])
+        * DEQUANT_BYTES_PER_PARAM.get(setup.quant, 0.0) / bw,
         "shard_comm": shard,
     }
 

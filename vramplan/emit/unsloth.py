@@ -4,7 +4,7 @@
 the script is the same text for every plan, and every value goes through ``yaml.safe_dump``.
 
 Unsloth 2026.8.19's API (unsloth/models/loader.py ``FastLanguageModel.from_pretrained(model_name,
-max_seq_length, dtype, load_in_4bit, ...)``, unsloth/models/llama.py ``get_peft_model(model, r,
+max_seq_length, dtype, load_in_4bit, unsloth_tiled_mlp, ...)``, unsloth/models/llama.py ``get_peft_model(model, r,
 target_modules, lora_alpha, lora_dropout, bias, use_gradient_checkpointing, random_state, ...)``) with the
 TRL it pins (<= 0.24: ``SFTConfig.max_length``)."""
 
@@ -42,6 +42,7 @@ def unsloth_config(s: Setup, model: ModelSpec, *, model_id: str, nodes: int = 1)
         "max_seq_length": s.seq,
         "load_in_4bit": s.quant == "nf4",
         "dtype": "bfloat16" if s.precision == "bf16" else "float16",
+        "unsloth_tiled_mlp": s.tiled_mlp,  # unsloth_zoo's TiledMLP (estimator/tiled_mlp.py)
         "lora": {"r": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
                  "target_modules": targets},
         "use_gradient_checkpointing": "unsloth" if s.checkpointing else False,
@@ -74,7 +75,8 @@ if not cfg.get("dataset_name"):
 
 model, tokenizer = FastLanguageModel.from_pretrained(
     model_name=cfg["model_name"], max_seq_length=cfg["max_seq_length"],
-    dtype=getattr(torch, cfg["dtype"]), load_in_4bit=cfg["load_in_4bit"])
+    dtype=getattr(torch, cfg["dtype"]), load_in_4bit=cfg["load_in_4bit"],
+    unsloth_tiled_mlp=cfg.get("unsloth_tiled_mlp", False))
 model = FastLanguageModel.get_peft_model(
     model, bias="none", random_state=3407, use_gradient_checkpointing=cfg["use_gradient_checkpointing"],
     **cfg["lora"])

@@ -249,6 +249,11 @@ OUTPUT_PROJECTIONS = frozenset({"o_proj", "dense", "out_proj", "c_proj", "down_p
                                 "dense_4h_to_h"})
 
 
+def tiled_mlp_input_bytes(model: ModelSpec, setup: Setup) -> float:
+    """What a tiled MLP saves per token (estimator/tiled_mlp.py): its input, in the residual stream's dtype."""
+    return (4 if mixed(setup) else compute_bytes(setup)) * model.hidden_size
+
+
 def layer_bytes_per_token(model: ModelSpec, setup: Setup, which: str | int = "mean") -> float:
     """Saved bytes per token of one decoder layer without checkpointing: the mean over the
     layers, or layer ``which`` (dense and MoE layers differ)."""
@@ -290,6 +295,8 @@ def layer_split_per_token(model: ModelSpec, setup: Setup, which: str | int = "me
     dense = (mlp_bytes(model, setup) + _adapter_bytes_per_layer(model, setup, ("mlp",))
              + _int8_inputs_per_layer(model, setup, ("mlp",)))
     dense += _zero3_frozen_inputs_per_layer(model, setup, ("mlp",))
+    if setup.tiled_mlp:  # Unsloth's TiledMLP saves only the MLP's input (estimator/tiled_mlp.py)
+        dense = tiled_mlp_input_bytes(model, setup)
     if model.moe is None:
         return common, dense
     moe = moe_layer_bytes_per_token(model, setup) + _adapter_bytes_per_layer(model, setup, ("shared_expert", "router"))

@@ -42,12 +42,22 @@ class Corrections:
     #: Error band of each headline number from calibration residuals (None: uncalibrated, the
     #: estimate carries the documented default band).
     bands: ErrorBands | None = None
+    #: The same from the rows without CPU offload, where enough of them exist (calibration/reserved_fit.py):
+    #: the band of a setup whose parameters and optimizer states stay on the GPU (:func:`bands_for`)
+    bands_resident: ErrorBands | None = None
     #: What was applied (None: the published defaults).
     calibration: CalibrationInfo | None = None
     name: str = "published-defaults"
 
 
 DEFAULT_CORRECTIONS = Corrections()
+
+
+def bands_for(corrections: Corrections, setup) -> ErrorBands | None:
+    """The error bands of ``setup``'s estimate: the resident rows' when it offloads nothing to the CPU or NVMe
+    and the calibration has them, else every row's (None: uncalibrated)."""
+    resident = setup.offload_optimizer == "none" and setup.offload_params == "none"
+    return corrections.bands_resident if resident and corrections.bands_resident else corrections.bands
 
 
 def device_overheads(tensor_peak_bytes: int, gpus: int, gpu, corrections: Corrections = DEFAULT_CORRECTIONS):
@@ -166,6 +176,8 @@ def corrections_from(data: dict, gpu=None, source: str = "shipped", group: str |
             reserved_fixed_bytes=int(g["fragmentation_fixed_bytes"]),
             nccl_bytes=int(g.get("nccl_bytes", DEFAULT_CORRECTIONS.nccl_bytes)),
             bands=bands, calibration=info, name=f"calibrated:{name}",
+            bands_resident=(ErrorBands.from_json(g["error_bands_resident"])
+                            if isinstance(g.get("error_bands_resident"), dict) else None),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"calibration file {source}: group {name!r} lacks a valid {exc}") from None

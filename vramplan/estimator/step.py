@@ -25,7 +25,7 @@ from . import optimizers as opt_rules
 from .autocast import AutocastCache, autocast_cache
 from .cache import memoized
 from .components import step_components
-from .corrections import DEFAULT_CORRECTIONS, Corrections, device_overheads
+from .corrections import DEFAULT_CORRECTIONS, Corrections, bands_for, device_overheads
 from .distributed import StepActivations, ZeroMemory, zero_memory, zero_phase_peaks
 from .fsdp import FsdpMemory, ddp_bucket_bytes, is_ddp
 from .fsdp2 import sharded_memory, sharded_phase_peaks
@@ -47,6 +47,7 @@ from .model_states import (
 from .parallel_rank import rank_estimator
 from .precision import compute_bytes
 from .stack import DEFAULT_STACK, Stack, stack_notes
+from .tiled_mlp import tile_tokens
 
 
 def estimate(
@@ -101,7 +102,7 @@ def estimate(
         host_bytes=t.host_bytes,
         gpu=gpu,
         notes=tuple(notes),
-        error_band=corrections.bands or DEFAULT_ERROR_BANDS,  # the documented default when uncalibrated
+        error_band=bands_for(corrections, setup) or DEFAULT_ERROR_BANDS,  # the default when uncalibrated
         calibration=corrections.calibration,
         per_rank=split.per_rank if split else (),
     )
@@ -346,6 +347,12 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
                  + llama4_recipe.moe_backward_transient_fixed(model, aset) + knobs.dora_backward_transient(model, aset))
     if merged:
         t_mlp += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
+    if setup.tiled_mlp and not act.is_moe_layer(model, idx):  # one tile's saves and gradients (tiled_mlp.py)
+        plain = aset.replace(tiled_mlp=False)
+        tile = act.layer_split_per_token(model, plain, idx)[1] + transients.mlp_backward_transient_per_token(
+            model, plain, idx)
+        t_mlp = (tile * tile_tokens(model, setup) + act.tiled_mlp_input_bytes(model, aset) * N
+                 + knobs.dora_backward_transient(model, aset))
     # the dequantized weight (down_proj's, first in the MLP's backward) appears beside the
     # gradient its LoRA branch already produced; in a recomputed (checkpointed) layer the
     # 4-bit copy peaks apart from them (read off the CPU truth: validate --knob quantization)

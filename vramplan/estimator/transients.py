@@ -85,7 +85,7 @@ def lora_forward_peak_per_token(model: ModelSpec, setup: Setup, idx: int) -> flo
             continue  # the output projection runs on the attention's output, after its saves
         peaks.append(at(l, before))
         before += c * l.out_features + copy * l.in_features + a * r
-    if not is_moe_layer(model, idx):
+    if not is_moe_layer(model, idx) and not setup.tiled_mlp:  # (a tiled MLP's forward runs a tile at a time)
         act = ACTIVATION_SAVES.get(model.activation, 1)
         before = common + 2 * c * h
         ups = [l for l in adapted_linears(model, setup) if l.role == "mlp" and l.out_features != h]

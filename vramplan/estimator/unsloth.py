@@ -57,7 +57,7 @@ from .precision import compute_bytes
 
 __all__ = ["CE_TARGET_CAP_BYTES", "LOSS_NOTE", "OFFLOAD_MIN_SEQ", "checkpoint_note", "chunks", "components",
            "dequantization_buffer_bytes", "device_checkpoint_bytes", "fast_path", "host_bytes", "loss_transients",
-           "offloads",
+           "offloads", "tiled_recompute_bytes",
            "on_card", "overhead_note", "recompute_bytes", "unsloth"]
 
 #: ``_get_chunk_multiplier``: a chunk's fp32 logits at most min(half the free memory, 4 GiB)
@@ -130,11 +130,28 @@ def recompute_bytes(model: ModelSpec, setup: Setup) -> int:
     (c i per token), the incoming gradient (c h) and one weight dequantized outside the buffer."""
     c, N, h = compute_bytes(setup), setup.tokens, model.hidden_size
     i, kv = model.intermediate_size, model.kv_dim
-    saved = c * (5 * h + 2 * kv + 2 * i) + 4 * (2 + model.num_heads)
-    backward = c * (i + h)
     largest = max((l.weight_params for l in model.linears if l.role == "mlp"), default=0)
     dequant = c * largest if setup.quant in ("nf4", "fp4") else 0
+    if setup.tiled_mlp:
+        return tiled_recompute_bytes(model, setup) + dequant
+    saved = c * (5 * h + 2 * kv + 2 * i) + 4 * (2 + model.num_heads)
+    backward = c * (i + h)
     return int(N * (saved + backward) + dequant)
+
+
+def tiled_recompute_bytes(model: ModelSpec, setup: Setup) -> int:
+    """:func:`recompute_bytes` with the MLP tiled (estimator/tiled_mlp.py): the layer keeps the MLP's input and
+    no e or g; the MLP's backward holds one tile's ``LoRA_MLP`` saves (X, e, g), its DW and its output beside the
+    incoming gradient and ``x_gradients``, c (5 h + 2 kv + 2 h) N + c (3 i + h) per tile token. After it the
+    attention's backward (FlashAttention-2's: dQ, dK, dV and an fp32 dQ accumulator, 4 h, beside the incoming
+    gradient) can be the larger moment, once the MLP's input is freed; the greater of the two."""
+    from .tiled_mlp import tile_tokens
+
+    c, N, h = compute_bytes(setup), setup.tokens, model.hidden_size
+    i, kv, fp32 = model.intermediate_size, model.kv_dim, 4 * (2 + model.num_heads)
+    mlp = N * (c * (5 * h + 2 * kv + 2 * h) + fp32) + tile_tokens(model, setup) * c * (3 * i + h)
+    attention = N * (c * (4 * h + 2 * kv) + fp32 + c * h + c * (h + 2 * kv) + 4 * h + 4 * model.num_heads)
+    return int(max(mlp, attention))
 
 
 def dequantization_buffer_bytes(model: ModelSpec, setup: Setup) -> int:

@@ -67,6 +67,8 @@ def savers_text(setup: Setup) -> str:
         parts.append("Liger kernels")
     if setup.compile:  # torchtune's compile: True (its compiled loss: estimator/torchtune.py)
         parts.append("torch.compile")
+    if setup.tiled_mlp:  # Unsloth's unsloth_tiled_mlp=True (estimator/tiled_mlp.py)
+        parts.append("tiled MLP")
     if setup.activation_offload:  # TRL's OffloadActivations (estimator/act_offload.py)
         parts.append("activation offload to host RAM")
     if setup.optimizer_in_backward:  # one optimizer per parameter, stepped in backward (estimator/knobs.py)

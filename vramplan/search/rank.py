@@ -104,9 +104,10 @@ def extras(setup: Setup) -> int:
     vLLM for GRPO's generation (another engine beside the trainer), DPO's reference log-probs
     precomputed (a pass over the data before training), the optimizer stepped in backward (one optimizer
     per parameter, no gradient clipping or accumulation), torchtune's ``compile: True`` (minutes of
-    compilation before the first step; its speed-up is not modelled)."""
+    compilation before the first step; its speed-up is not modelled), Unsloth's ``unsloth_tiled_mlp=True``
+    (one more MLP forward per layer: taken only where the plain step does not fit)."""
     return (int(setup.liger) + int(setup.generation != "hf") + int(setup.ref_model == "precomputed")
-            + int(setup.optimizer_in_backward) + int(setup.compile))
+            + int(setup.optimizer_in_backward) + int(setup.compile) + int(setup.tiled_mlp))
 
 
 def klass(setup: Setup) -> tuple[int, int]:
@@ -121,7 +122,7 @@ def order(c: Candidate) -> tuple:
     equal speed (one dependency fewer), rank, less memory. Liger is a GPU-resident saver: reached
     for before offload and before a lower tier."""
     return (-residency(c.setup), tier(c.setup), c.tokens_per_s, -int(c.setup.liger), -int(c.setup.compile),
-            c.setup.lora_rank if c.setup.adapters else 0, -c.device_total_bytes)
+            -int(c.setup.tiled_mlp), c.setup.lora_rank if c.setup.adapters else 0, -c.device_total_bytes)
 
 
 def best_of_class(bests: Sequence[Candidate]) -> Candidate | None:

@@ -68,6 +68,9 @@ FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", 
            # torch.compile as the framework applies it (torchtune's compiled loss): searched as a saver for
            # torchtune (:meth:`Space._savers`), a fixed one kept
            "compile",
+           # Unsloth's unsloth_tiled_mlp=True (the MLP in sequence tiles): searched as a saver for unsloth
+           # (:meth:`Space._savers`), a fixed one kept
+           "tiled_mlp",
            # searched where legal (:meth:`Space.in_backward_choices`); a fixed one is kept
            "optimizer_in_backward",
            # quality choices of the adapters (estimator/knobs.py): fixed, never searched
@@ -217,6 +220,9 @@ class Space:
         ligers = self.choices("liger", (False, True) if liger_applies(self.model, family) else (False,))
         # torchtune's compile: True: its compiled loss saves memory (estimator/torchtune.py), searched as a saver
         compiles = self.choices("compile", (False, True) if family.framework == "torchtune" else (False,))
+        # Unsloth's unsloth_tiled_mlp=True: the MLP's activations of one tile (estimator/tiled_mlp.py), a saver
+        tileds = self.choices("tiled_mlp", (False, True) if family.framework == "unsloth" and self.model.moe is None
+                              else (False,))
         objective = self.objective_knobs(family)
         out = []
         for z, o, p, m in self.placements():
@@ -228,12 +234,12 @@ class Space:
                 if deepspeed_offload and opt not in ("adamw", "adamw-fused"):
                     continue
                 for ck, every in self.checkpointing_choices(family, z, m):
-                    for attn, liger, comp, obj in itertools.product(self.choices("attn", attns), ligers, compiles,
-                                                                    objective):
+                    for attn, liger, comp, tiled, obj in itertools.product(self.choices("attn", attns), ligers,
+                                                                           compiles, tileds, objective):
                         try:  # a GPTQ/AWQ base refuses ZeRO placements
                             s = family.replace(zero_stage=z, offload_optimizer=o, offload_params=p, fsdp=m, tp=1,
                                                optimizer=opt, checkpointing=ck, checkpoint_every=every, attn=attn,
-                                               liger=liger, compile=comp, **obj)
+                                               liger=liger, compile=comp, tiled_mlp=tiled, **obj)
                             if every > 1:
                                 check_selective(self.model, s)
                             check_fsdp2(self.model, s)  # a fixed --fsdp-version 2: only what FSDP2 models
@@ -447,7 +453,7 @@ def saving(s: Setup) -> tuple[int, ...]:
     (checkpointing every layer saves more than every k-th)."""
     return (int(s.checkpointing), -s.checkpoint_every, int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")),
             int(s.attn != "auto"), int(s.liger), int(s.activation_offload), int(s.optimizer_in_backward),
-            int(s.compile))
+            int(s.compile), int(s.tiled_mlp))
 
 
 def liger_applies(model: ModelSpec, family: Setup) -> bool:

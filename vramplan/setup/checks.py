@@ -179,6 +179,10 @@ def check_framework(setup: Setup) -> None:
         raise SpecError("--compile is modelled for torchtune's compile: True (its compiled cross-entropy, "
                         "--framework torchtune); torch.compile elsewhere (the Trainer's torch_compile, axolotl's, "
                         "LLaMA-Factory's) is not: estimate without it, an upper bound")
+    if setup.tiled_mlp and setup.framework != "unsloth":
+        raise SpecError("--tiled-mlp is modelled for Unsloth's unsloth_tiled_mlp=True (--framework unsloth); "
+                        "axolotl's tiled_mlp cuts a sequence into 32768-token shards by default (none below that "
+                        "length) and is not modelled")
     if setup.framework == "hf":
         return
     fw = framework(setup.framework)
@@ -273,6 +277,9 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
     check_framework(setup)
+    if setup.tiled_mlp and model.moe is not None:  # estimator/tiled_mlp.py: dense MLPs only
+        raise SpecError(f"--tiled-mlp on {model.name} (MoE): Unsloth also tiles an MoE block (a module named "
+                        "*.mlp or *.block_sparse_moe), which is not modelled yet; dense models only")
     check_trl_loss(setup)
     check_fsdp2(model, setup)
     if setup.pp > 1:  # pipeline parallelism: what its truth does not run is refused

@@ -55,8 +55,9 @@ GENERATIONS = ("hf", "vllm-colocate", "vllm-server")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 PP_MODELLED_SCHEDULES = ("gpipe", "1f1b")
 #: Fields ``Setup.to_dict`` leaves out at their defaults (``from_dict`` restores them): the pipeline's
-#: and expert parallelism's and torch.compile's, added after the committed records and baselines were written
-OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep", "compile")
+#: and expert parallelism's, torch.compile's and the tiled MLP's, added after the committed records and baselines
+#: were written
+OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep", "compile", "tiled_mlp")
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ class Setup:
     #: ``torch.compile`` as the framework applies it: modelled for torchtune's ``compile: True`` (its
     #: compiled cross-entropy, estimator/torchtune.py); refused elsewhere (setup/checks.py)
     compile: bool = False
+    #: the MLP run in sequence tiles (Unsloth's ``unsloth_tiled_mlp=True``, unsloth_zoo/tiled_mlp.py ``TiledMLP``):
+    #: modelled for Unsloth (estimator/tiled_mlp.py); refused elsewhere (setup/checks.py)
+    tiled_mlp: bool = False
     # ---- model parallelism ----------------------------------------------------------------------
     #: layers split over ``gpus`` GPUs of one process (accelerate ``device_map``)
     device_map: str = "none"

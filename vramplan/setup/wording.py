@@ -45,6 +45,8 @@ def describe(setup: Setup) -> str:
         parts.append("Liger kernels")
     if setup.compile:
         parts.append("torch.compile")
+    if setup.tiled_mlp:
+        parts.append("tiled MLP")
     if setup.activation_offload:
         parts.append("activation offload")
     if setup.padding_free:

@@ -1,0 +1,39 @@
+"""Unsloth's tiled MLP (``--tiled-mlp``: ``FastLanguageModel.from_pretrained(..., unsloth_tiled_mlp=True)``).
+
+Read from unsloth 2026.8.19 (``unsloth/models/loader.py``: ``patch_tiled_mlp(model, "arctic")`` after loading,
+or the ``UNSLOTH_TILED_MLP`` environment variable) and unsloth-zoo 2026.8.13 (``unsloth_zoo/tiled_mlp.py``):
+every module named ``*.mlp`` (``.ffn``, ``.feed_forward``...) gets a forward that calls ``TiledMLP.apply``. In
+"arctic" mode (``tiled_forward_arctic_size``) a tile is ``hidden_size`` tokens: ``n = max(1, seq // h)`` tiles of
+``min(h, batch * seq)`` flattened rows, and what is left of the ``batch * seq`` rows, if anything, one more tile
+(so with a batch above one the last tile holds the other rows: :func:`tile_tokens`).
+
+- **forward**: under ``torch.no_grad`` each tile runs the MLP (its intermediates one tile's at a time) and is
+  copied into one output tensor; only the MLP's input ``x`` is saved.
+- **backward**: ``x_gradients = torch.zeros_like(x)``; each tile's forward runs again with grad and is
+  back-propagated at once (its saves and gradient temporaries one tile's), the tile's input gradient
+  accumulating into its slice of ``x_gradients``. With Unsloth's fused kernels
+  (``unsloth/models/llama.py`` ``patch_peft_model``: ``mlp_module._unsloth_forward`` becomes
+  ``apply_lora_mlp`` when the MLP was tiled) the tile runs ``LoRA_MLP``.
+
+So a layer keeps ``x`` (c h per token) of its MLP where it kept the MLP's saves, and its backward holds one tile's
+saves and gradients beside the full-length ``x_gradients``. Modelled for dense MLPs (an MoE block is refused:
+setup/checks.py). The extra MLP forward per layer is in the cost model. Torch-free."""
+
+from __future__ import annotations
+
+from ..specs import ModelSpec, Setup
+
+__all__ = ["tile_tokens", "tiled"]
+
+
+def tiled(setup: Setup) -> bool:
+    return setup.tiled_mlp
+
+
+def tile_tokens(model: ModelSpec, setup: Setup) -> int:
+    """The largest tile's tokens: ``tiled_forward_arctic_size`` passes ``n = max(1, seq // h)`` tiles of
+    ``min(h, batch * seq)`` rows to ``TiledMLP.forward``, which adds the rows left over as one more tile."""
+    h, rows = model.hidden_size, setup.batch * setup.seq
+    n = max(1, setup.seq // max(h, 1))
+    chunk = min(h, rows)
+    return max(chunk, rows - chunk * n)
