@@ -38,8 +38,8 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
          "selective_checkpointing",
          "moe", "loss", "framework", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
-         "liger", "padding_free", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map", "tp", "cp",
-         "pp", "ep",
+         "liger", "padding_free", "tiled_mlp", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map",
+         "tp", "cp", "pp", "ep",
          "device_overheads",
          "measured", "dpo", "orpo", "kto", "grpo", "eval")
 
@@ -351,6 +351,10 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
         from ..truths.torchtune_truth import torchtune_rows
 
         rows += torchtune_rows(quick, Row)
+    if "tiled_mlp" in wanted:  # Unsloth's own TiledMLP in transformers' layer (the unsloth-zoo wheel's file)
+        from ..truths.tiled_truth import tiled_rows
+
+        rows += tiled_rows(quick, Row)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "
