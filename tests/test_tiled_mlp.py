@@ -82,6 +82,8 @@ def test_the_extra_mlp_forward_is_priced():
 def test_refused_on_moe_and_other_frameworks():
     with pytest.raises(SpecError, match="MoE"):
         estimate(load_model("qwen3-30b-a3b"), US.replace(seq=2048, tiled_mlp=True))
+    with pytest.raises(SpecError, match="convolution"):
+        estimate(load_model("lfm2-1.2b"), US.replace(seq=2048, method="lora", quant="none", tiled_mlp=True))
     with pytest.raises(SpecError, match="--framework unsloth"):
         estimate(load_model("llama-3.1-8b"), Setup(framework="trl", tiled_mlp=True))
 

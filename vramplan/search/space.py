@@ -222,7 +222,7 @@ class Space:
         compiles = self.choices("compile", (False, True) if family.framework == "torchtune" else (False,))
         # Unsloth's unsloth_tiled_mlp=True: the MLP's activations of one tile (estimator/tiled_mlp.py), a saver
         tileds = self.choices("tiled_mlp", (False, True) if family.framework == "unsloth" and self.model.moe is None
-                              else (False,))
+                              and not self.model.traits.conv_layers else (False,))
         objective = self.objective_knobs(family)
         out = []
         for z, o, p, m in self.placements():

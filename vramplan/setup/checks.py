@@ -280,6 +280,9 @@ def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[st
     if setup.tiled_mlp and model.moe is not None:  # estimator/tiled_mlp.py: dense MLPs only
         raise SpecError(f"--tiled-mlp on {model.name} (MoE): Unsloth also tiles an MoE block (a module named "
                         "*.mlp or *.block_sparse_moe), which is not modelled yet; dense models only")
+    if setup.tiled_mlp and model.traits.conv_layers:  # (a hybrid's layers: estimator/short_conv.py)
+        raise SpecError(f"--tiled-mlp on {model.name} (convolution and attention layers): not modelled yet; "
+                        "decoder-only transformers only")
     check_trl_loss(setup)
     check_fsdp2(model, setup)
     if setup.pp > 1:  # pipeline parallelism: what its truth does not run is refused
