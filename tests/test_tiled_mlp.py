@@ -140,9 +140,9 @@ def test_unsloths_tiled_mlp_on_the_cpu(name, seq, batch, ck):
     truth_plain, est_plain = run_step(cfg, plain, module), estimate_tiled(spec, plain)
     truth, est = run_step(cfg, tiled, module), estimate_tiled(spec, tiled)
     assert truth < 0.75 * truth_plain  # the MLP's activations of one tile
-    # the estimate is conservative: the attention side's norm gradients (transients.NORM_BACKWARD_H), which
-    # the untiled MLP's backward hides, are the peak once the MLP is tiled (measured +1.1 % to +6.7 %)
-    assert -0.02 <= est / truth - 1 <= 0.08, (truth, est)
+    # checkpointed (Unsloth's default): within 3 % (measured -1.5 % to +1.5 %); without checkpointing the
+    # untiled step's own offset (+3.6 % on Llama) over a smaller peak: +6.7 % on Llama
+    assert abs(est / truth - 1) <= (0.03 if ck else 0.08), (truth, est)
     # what tiling saves, within a few percent of the untiled step
     assert abs((est_plain - est) - (truth_plain - truth)) <= 0.08 * truth_plain
 
@@ -155,4 +155,4 @@ def test_validate_has_the_rows():
     _tiled_module()
     [row] = unverified_rows(quick=True, knobs=("tiled_mlp",))
     assert row.verified and row.knob == "tiled_mlp" and row.truth == "unsloth-tiled-cpu"
-    assert isinstance(row, Row) and 0 < row.estimated_bytes and 0 < row.truth_bytes and abs(row.error) < 0.08
+    assert isinstance(row, Row) and 0 < row.estimated_bytes and 0 < row.truth_bytes and abs(row.error) < 0.03

@@ -47,7 +47,7 @@ from .model_states import (
 from .parallel_rank import rank_estimator
 from .precision import compute_bytes
 from .stack import DEFAULT_STACK, Stack, stack_notes
-from .tiled_mlp import tile_tokens
+from .tiled_mlp import tile_tokens, tiled_gradient_saving
 
 
 def estimate(
@@ -356,7 +356,10 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
     # the dequantized weight (down_proj's, first in the MLP's backward) appears beside the
     # gradient its LoRA branch already produced; in a recomputed (checkpointed) layer the
     # 4-bit copy peaks apart from them (read off the CPU truth: validate --knob quantization)
-    t_grad = max(t_mlp, a.attention_backward - mlp_side * N - merged)
+    attention = a.attention_backward - mlp_side * N - merged
+    if setup.tiled_mlp and not act.is_moe_layer(model, idx):  # the MLP input's gradient summed a tile at a time
+        attention -= tiled_gradient_saving(model, aset) * (N - tile_tokens(model, setup))
+    t_grad = max(t_mlp, attention)
     ck = selective.is_checkpointed(setup, idx)  # (every layer, or every k-th: estimator/selective.py)
     if ck and unsloth.fast_path(model, setup):  # its own decoder forward and fused LoRA kernels (estimator/unsloth.py)
         return unsloth.recompute_bytes(model, setup), a.layer_kept

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..specs import ModelSpec, Setup
 
-__all__ = ["tile_tokens", "tiled"]
+__all__ = ["tile_tokens", "tiled", "tiled_gradient_saving"]
 
 
 def tiled(setup: Setup) -> bool:
@@ -37,3 +37,13 @@ def tile_tokens(model: ModelSpec, setup: Setup) -> int:
     n = max(1, setup.seq // max(h, 1))
     chunk = min(h, rows)
     return max(chunk, rows - chunk * n)
+
+
+def tiled_gradient_saving(model: ModelSpec, setup: Setup) -> float:
+    """Bytes per token the layer's norm-gradient moment holds less when the MLP is tiled: untiled, the MLP
+    input's gradient arrives as full-length LoRA-branch input gradients in the adapters' dtype summed into it
+    (transients.NORM_BACKWARD_H counts one such hidden-sized tensor); tiled, each tile's are summed into its
+    slice of ``x_gradients`` and freed with the tile. Read off the CPU truth (vramplan/truths/tiled_truth.py)."""
+    from .precision import adapter_dtype_bytes
+
+    return adapter_dtype_bytes(setup) * model.hidden_size if setup.adapters else 0.0
