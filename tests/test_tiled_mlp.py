@@ -156,3 +156,17 @@ def test_validate_has_the_rows():
     [row] = unverified_rows(quick=True, knobs=("tiled_mlp",))
     assert row.verified and row.knob == "tiled_mlp" and row.truth == "unsloth-tiled-cpu"
     assert isinstance(row, Row) and 0 < row.estimated_bytes and 0 < row.truth_bytes and abs(row.error) < 0.03
+
+
+def test_axolotls_tiled_mlp_is_named_not_modelled(tmp_path):
+    # axolotl 0.18's tiled_mlp cuts a sequence into ceil(seq / 32768) shards: read, said, and estimated untiled
+    from vramplan.readers import read_config
+
+    cfg = tmp_path / "axolotl.yml"
+    cfg.write_text("base_model: meta-llama/Llama-3.1-8B\nadapter: qlora\nload_in_4bit: true\nlora_r: 16\n"
+                   "lora_target_linear: true\nsequence_len: 16384\nmicro_batch_size: 1\n"
+                   "gradient_checkpointing: true\nbf16: true\ntiled_mlp: true\n")
+    read = read_config(cfg)
+    assert read.format == "axolotl" and read.setup.tiled_mlp is False
+    [w] = [str(w) for w in read.warnings if "tiled_mlp" in str(w)]
+    assert w.startswith("ignored: tiled_mlp") and "32768" in w and "--tiled-mlp models Unsloth's" in w

@@ -49,6 +49,10 @@ _UNMODELLED = {
     "tensor_parallel_size": "tensor parallelism is not modelled",
     "context_parallel_size": "context parallelism is not modelled",
     "sequence_parallel_degree": "sequence parallelism is not modelled",
+    # src/axolotl/monkeypatch/tiled_mlp/patch.py (0.18.0): ceil(seq / 32768) shards unless tiled_mlp_num_shards
+    "tiled_mlp": "axolotl's TiledMLP (ceil(sequence_len / 32768) shards unless tiled_mlp_num_shards; one shard, "
+                 "the same activations under checkpointing, below 32,768 tokens) is not modelled: the untiled MLP "
+                 "assumed (--tiled-mlp models Unsloth's)",
     # src/axolotl/loaders/model.py _set_device_map_config: with max_memory (or gpu_memory_limit, each GPU
     # capped and a 256GiB CPU budget) axolotl builds its own device_map with accelerate's
     # infer_auto_device_map(dtype=torch_dtype): no no-split decoder layers, no quantizer sizes, no
