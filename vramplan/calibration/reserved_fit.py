@@ -123,4 +123,6 @@ def is_resident(setup: dict) -> bool:
     DeepSpeed or FSDP CPU/NVMe offload. FSDP's CPU offload moves every gradient and parameter between host and
     device each step, and its rows reserve more beyond the estimate than the resident ones (issue 28: the
     RTX 4090 rows, +19.6 % at most with it, +9.6 % without)."""
-    return setup.get("offload_optimizer", "none") == "none" and setup.get("offload_params", "none") == "none"
+    from ..estimator.corrections import resident
+
+    return resident(setup.get("offload_optimizer", "none"), setup.get("offload_params", "none"))

@@ -130,15 +130,15 @@ def tiled_mlp_extra(model: ModelSpec, setup: Setup) -> tuple[float, float]:
         return 0.0, 0.0
     from ..estimator.tiled_mlp import tile_tokens
 
-    mlp = [l for l in model.linears if l.role == "mlp"]
-    flops = 2.0 * sum(l.count * l.weight_params for l in mlp)
+    mlp = float(sum(l.count * l.weight_params for l in model.linears if l.role == "mlp"))
+    flops = 2.0 * mlp
     flops += 2.0 * sum(l.count * setup.lora_rank * (l.in_features + l.out_features)
                        for l in adapted_linears(model, setup) if l.role == "mlp")
     if setup.quant not in DEQUANT_BYTES_PER_PARAM:
         return flops, 0.0
     tiles = -(-setup.batch * setup.seq // tile_tokens(model, setup))
     passes = tiles * (4 if setup.checkpointing else 3) - passes_per_micro_step(setup)
-    return flops, float(sum(l.count * l.weight_params for l in mlp)) * max(passes, 0)
+    return flops, mlp * max(passes, 0)
 
 
 def passes_per_micro_step(setup: Setup) -> int:

@@ -53,11 +53,17 @@ class Corrections:
 DEFAULT_CORRECTIONS = Corrections()
 
 
+def resident(offload_optimizer: str, offload_params: str) -> bool:
+    """Parameters and optimizer states stay on the GPU: no DeepSpeed or FSDP CPU/NVMe offload."""
+    return offload_optimizer == "none" and offload_params == "none"
+
+
 def bands_for(corrections: Corrections, setup) -> ErrorBands | None:
-    """The error bands of ``setup``'s estimate: the resident rows' when it offloads nothing to the CPU or NVMe
-    and the calibration has them, else every row's (None: uncalibrated)."""
-    resident = setup.offload_optimizer == "none" and setup.offload_params == "none"
-    return corrections.bands_resident if resident and corrections.bands_resident else corrections.bands
+    """The error bands of ``setup``'s estimate: the resident rows' (:func:`resident`) when the calibration has
+    them, else every row's (None: uncalibrated)."""
+    if corrections.bands_resident and resident(setup.offload_optimizer, setup.offload_params):
+        return corrections.bands_resident
+    return corrections.bands
 
 
 def device_overheads(tensor_peak_bytes: int, gpus: int, gpu, corrections: Corrections = DEFAULT_CORRECTIONS):

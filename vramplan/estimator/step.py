@@ -347,18 +347,17 @@ def _layer_backward(model: ModelSpec, setup: Setup, a: StepActivationTerms, idx:
                  + llama4_recipe.moe_backward_transient_fixed(model, aset) + knobs.dora_backward_transient(model, aset))
     if merged:
         t_mlp += c * model.moe.num_experts * model.moe.expert_intermediate_size * h
-    if setup.tiled_mlp and not act.is_moe_layer(model, idx):  # one tile's saves and gradients (tiled_mlp.py)
-        plain = aset.replace(tiled_mlp=False)
-        tile = act.layer_split_per_token(model, plain, idx)[1] + transients.mlp_backward_transient_per_token(
+    attention = a.attention_backward - mlp_side * N - merged
+    if setup.tiled_mlp:  # one tile's saves and gradients; the MLP input's gradient summed a tile at a time
+        plain, tile = aset.replace(tiled_mlp=False), tile_tokens(model, setup)  # (tiled_mlp.py; dense only)
+        per_tile = act.layer_split_per_token(model, plain, idx)[1] + transients.mlp_backward_transient_per_token(
             model, plain, idx)
-        t_mlp = (tile * tile_tokens(model, setup) + act.tiled_mlp_input_bytes(model, aset) * N
+        t_mlp = (per_tile * tile + act.tiled_mlp_input_bytes(model, aset) * N
                  + knobs.dora_backward_transient(model, aset))
+        attention -= tiled_gradient_saving(model, aset) * (N - tile)
     # the dequantized weight (down_proj's, first in the MLP's backward) appears beside the
     # gradient its LoRA branch already produced; in a recomputed (checkpointed) layer the
     # 4-bit copy peaks apart from them (read off the CPU truth: validate --knob quantization)
-    attention = a.attention_backward - mlp_side * N - merged
-    if setup.tiled_mlp and not act.is_moe_layer(model, idx):  # the MLP input's gradient summed a tile at a time
-        attention -= tiled_gradient_saving(model, aset) * (N - tile_tokens(model, setup))
     t_grad = max(t_mlp, attention)
     ck = selective.is_checkpointed(setup, idx)  # (every layer, or every k-th: estimator/selective.py)
     if ck and unsloth.fast_path(model, setup):  # its own decoder forward and fused LoRA kernels (estimator/unsloth.py)

@@ -23,11 +23,7 @@ from __future__ import annotations
 
 from ..specs import ModelSpec, Setup
 
-__all__ = ["tile_tokens", "tiled", "tiled_gradient_saving"]
-
-
-def tiled(setup: Setup) -> bool:
-    return setup.tiled_mlp
+__all__ = ["tile_tokens", "tiled_gradient_saving"]
 
 
 def tile_tokens(model: ModelSpec, setup: Setup) -> int:

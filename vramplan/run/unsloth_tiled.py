@@ -10,6 +10,7 @@ function, the tile sizes and ``patch_tiled_mlp`` are Unsloth's code as the wheel
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -34,12 +35,7 @@ def find_source() -> Path | None:
     if given:
         path = Path(given)
         if path.is_file() and path.suffix == ".whl":
-            with zipfile.ZipFile(path) as wheel:
-                if _MEMBER not in wheel.namelist():
-                    return None
-                out = Path(tempfile.mkdtemp(prefix="vramplan-unsloth-zoo-"))
-                wheel.extract(_MEMBER, out)
-                return out / _MEMBER
+            return _extracted(str(path.resolve()))
         found = path / _MEMBER
         return found if found.is_file() else None
     spec = importlib.util.find_spec("unsloth_zoo")
@@ -50,6 +46,17 @@ def find_source() -> Path | None:
         if found.is_file():
             return found
     return None
+
+
+@functools.cache
+def _extracted(wheel_path: str) -> Path | None:
+    """The wheel's ``unsloth_zoo/tiled_mlp.py``, unpacked once per process to a temporary directory."""
+    with zipfile.ZipFile(wheel_path) as wheel:
+        if _MEMBER not in wheel.namelist():
+            return None
+        out = Path(tempfile.mkdtemp(prefix="vramplan-unsloth-zoo-"))
+        wheel.extract(_MEMBER, out)
+        return out / _MEMBER
 
 
 def load(source: Path | None = None) -> types.ModuleType:
