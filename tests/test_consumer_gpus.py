@@ -1,4 +1,4 @@
-"""The consumer GeForce profiles (desktop 8-12 GB cards and laptop GPUs) in profiles/gpus.json:
+"""The consumer GeForce profiles (desktop 8-12 GB cards and laptop GPUs, RTX 30/40/50) in profiles/gpus.json:
 each resolves under the names people type, no alias names two cards, usable memory follows the
 file's one rule, and a small model plans onto the smallest of them."""
 
@@ -45,6 +45,13 @@ CARDS = {
     "rtx-5070": (["5070", "rtx5070", "geforce-rtx-5070"], 12227, 61.7),
     "rtx-5070-ti": (["5070-ti", "5070ti", "rtx5070ti", "geforce-rtx-5070-ti"], 16303, 87.9),
     "rtx-5080": (["5080", "rtx5080", "geforce-rtx-5080"], 16303, 112.6),
+    # Blackwell Laptop GPUs (GB203/GB205/GB206): the rate at the boost clock at the top of NVIDIA's TGP range
+    "rtx-5060-laptop": (["5060-laptop", "rtx-5060-mobile", "5060m", "NVIDIA GeForce RTX 5060 Laptop GPU"], 8151, 33.2),
+    "rtx-5070-laptop": (["5070-laptop", "rtx-5070-mobile", "5070m", "NVIDIA GeForce RTX 5070 Laptop GPU"], 8151, 43.3),
+    "rtx-5070-ti-laptop": (["5070-ti-laptop", "5070ti-laptop", "rtx-5070-ti-mobile",
+                            "NVIDIA GeForce RTX 5070 Ti Laptop GPU"], 12227, 52.3),
+    "rtx-5080-laptop": (["5080-laptop", "rtx-5080-mobile", "5080m", "NVIDIA GeForce RTX 5080 Laptop GPU"], 16303, 70.3),
+    "rtx-5090-laptop": (["5090-laptop", "rtx-5090-mobile", "5090m", "NVIDIA GeForce RTX 5090 Laptop GPU"], 24463, 90.7),
 }
 
 #: compute capability by architecture (GA10x, AD10x, GB20x)
@@ -108,7 +115,7 @@ def test_usable_memory_follows_the_reserve_rule_for_every_profile():
 
 def test_eight_gb_cards_have_less_than_eight_gib_usable():
     eight = [n for n, (_, mib, _) in CARDS.items() if mib <= 8192]
-    assert len(eight) == 10
+    assert len(eight) == 12
     for name in eight:
         assert vramplan.load_gpu(name).usable_memory_bytes < 8 * GiB, name
 
@@ -122,11 +129,19 @@ def test_bare_3080_is_the_10gb_card_and_warns_of_the_others():
     chosen, others = ambiguous_gpu_alias("rtx-5060-ti")
     assert chosen == "rtx-5060-ti-16gb" and others == ["rtx-5060-ti-8gb"]
     assert ambiguous_gpu_alias("rtx-4060") is None and ambiguous_gpu_alias("rtx-4060-laptop") is None
+    # a laptop card is another card, not a memory variant of its desktop name (nor the Ti laptop of the plain one)
+    for name in ("5070", "rtx-5070", "5070-ti", "5090", "5070-laptop", "5070-ti-laptop", "5090-laptop"):
+        assert ambiguous_gpu_alias(name) is None, name
+    assert vramplan.load_gpu("5070-laptop").name == "rtx-5070-laptop"
+    assert vramplan.load_gpu("5070-ti-laptop").name == "rtx-5070-ti-laptop"
 
 
 def test_laptops_are_not_faster_than_their_desktop_names():
     for laptop, desktop in (("rtx-4060-laptop", "rtx-4060"), ("rtx-4070-laptop", "rtx-4070"),
-                            ("rtx-4080-laptop", "rtx-4080"), ("rtx-4090-laptop", "rtx-4090")):
+                            ("rtx-4080-laptop", "rtx-4080"), ("rtx-4090-laptop", "rtx-4090"),
+                            ("rtx-5060-laptop", "rtx-5060"), ("rtx-5070-laptop", "rtx-5070"),
+                            ("rtx-5070-ti-laptop", "rtx-5070-ti"), ("rtx-5080-laptop", "rtx-5080"),
+                            ("rtx-5090-laptop", "rtx-5090")):
         lap, desk = vramplan.load_gpu(laptop), vramplan.load_gpu(desktop)
         assert lap.bf16_tflops_dense < desk.bf16_tflops_dense, laptop
         assert lap.usable_memory_bytes <= desk.usable_memory_bytes, laptop
