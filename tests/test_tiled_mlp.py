@@ -140,9 +140,9 @@ def test_unsloths_tiled_mlp_on_the_cpu(name, seq, batch, ck):
     truth_plain, est_plain = run_step(cfg, plain, module), estimate_tiled(spec, plain)
     truth, est = run_step(cfg, tiled, module), estimate_tiled(spec, tiled)
     assert truth < 0.75 * truth_plain  # the MLP's activations of one tile
-    # checkpointed (Unsloth's default): within 3 % (measured -1.5 % to +1.5 %); without checkpointing the
-    # untiled step's own offset (+3.6 % on Llama) over a smaller peak: +6.7 % on Llama
-    assert abs(est / truth - 1) <= (0.03 if ck else 0.08), (truth, est)
+    # checkpointed (Unsloth's default): within 3 % (measured -1.5 % to +1.5 %); without checkpointing +1.9 % and
+    # +2.6 % (Llama: the CPU step's attention saves, 0.66 MB a layer under the CUDA path's trace, over a small peak)
+    assert abs(est / truth - 1) <= (0.03 if ck else 0.04), (truth, est)
     # what tiling saves, within a few percent of the untiled step
     assert abs((est_plain - est) - (truth_plain - truth)) <= 0.08 * truth_plain
 

@@ -72,6 +72,26 @@ def norm_bytes(model: ModelSpec, setup: Setup, trainable_weight: bool, width: in
     return c * w + 2 * c * rows
 
 
+#: Families whose layers norm after attention and the MLP (no input norm): their first op on the layer input is a
+#: (trainable) projection.
+POST_NORM_FAMILIES = frozenset({"olmo2", "olmo3"})
+
+
+def untracked_input_norm_bytes_per_token(model: ModelSpec, setup: Setup) -> float:
+    """What the first layer's input norm does not save without checkpointing when only adapters train: its input
+    (the embedding output) needs no gradient and neither does its weight, so autograd records nothing there. peft's
+    ``enable_input_require_grads`` makes the embedding output require one only with gradient checkpointing
+    (transformers 5.24 ``gradient_checkpointing_enable``, TRL 1.16 ``SFTTrainer.__init__``, peft 0.18
+    ``prepare_model_for_kbit_training``). Read off the fake-tensor trace: Llama-3.2-1B LoRA without checkpointing
+    keeps exactly one input norm's ``4 h + 4`` bytes a token less than every layer saving its own. 0 with
+    checkpointing, full fine-tuning, a trained embedding (modules_to_save), post-norm families and the families
+    whose layers are modelled elsewhere (LAYER_SPLITS)."""
+    if (setup.checkpointing or setup.method == "full" or "embed_tokens" in setup.modules_to_save
+            or model.family in POST_NORM_FAMILIES or model.family in LAYER_SPLITS or alibi.is_alibi(model)):
+        return 0.0
+    return norm_bytes(model, setup, trainable_weight=False)
+
+
 #: Families whose eager attention softmaxes in the scores' dtype, not fp32 (transformers 5.24).
 SOFTMAX_IN_LOGITS_DTYPE = frozenset({"gpt_oss"})
 

@@ -299,6 +299,7 @@ def _activations(model: ModelSpec, setup: Setup, stack: Stack = DEFAULT_STACK,
     A_layers = int(L_ck * kept_tok + (L - L_ck) * layer_tok
                    + (0 if setup.checkpointing else merged_total + knobs.dora_saved_fixed(model, aset)))
     A_layers += A_deq
+    A_layers -= int(act.untracked_input_norm_bytes_per_token(model, aset) * N)  # the first layer's, adapters only
     if unsloth.offloads(model, setup):  # Unsloth's checkpointing: the layer inputs in host RAM but the last
         A_layers = unsloth.device_checkpoint_bytes(model, setup, kept_tok, L)
     A_glob = int(act.global_bytes_per_token(loss_model or model, aset) * N)

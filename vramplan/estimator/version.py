@@ -8,4 +8,4 @@ formulas rather than from their own change to a model, a config or a library.
 
 from __future__ import annotations
 
-MODEL_VERSION = 5
+MODEL_VERSION = 6
