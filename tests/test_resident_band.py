@@ -56,3 +56,14 @@ def test_estimates_carry_the_band_of_their_placement():
     c86, _ = calibration_for(g86)
     assert c86.bands_resident is not None
     assert c86.bands_resident.device_total_bytes.high == c86.bands.device_total_bytes.high
+
+
+def test_a_cards_name_picks_its_class_calibration():
+    """``calibration_for("rtx-4090")`` (a name, as the Python API takes one) finds the card's class, as the
+    commands' resolved GpuSpec does, instead of silently answering the uncalibrated defaults."""
+    from vramplan.estimator.corrections import calibration_for
+    from vramplan.setup.inputs import resolve_gpu
+
+    by_name, _ = calibration_for("rtx-4090")
+    by_spec, _ = calibration_for(resolve_gpu("rtx-4090"))
+    assert by_name == by_spec and by_name.calibration.group.startswith("sm89/")

@@ -34,7 +34,9 @@ trace`` of the real manager (vramplan/run/act_offload.py), the device moments ar
 Modelled: full fine-tuning and LoRA with checkpointing, a 16-bit step on a 16-bit base,
 transformers' loss, one GPU, the RMSNorm families (Llama, Qwen, Mistral; Gemma's fp32 ``1 + w``; Gemma 2 under
 TRL's fused head, which soft-caps inside its tiles: tests/test_act_offload.py), with
-gradient accumulation (the manager is entered once per micro-step). Refused, each with its reason
+gradient accumulation (the manager is entered once per micro-step); with TRL's ``use_liger_kernel`` (Liger's
+layer kernels beside TRL's fused head: the final norm's saves are Liger's, :func:`_final_norm`).
+Refused, each with its reason
 (setup_checks.check_activation_offload): no checkpointing (every saved tensor is offloaded, but the
 storage deduplication keeps each tensor saved twice within the stash window on the device: the
 norms' fp32 inputs and their normalised outputs that q/k/v and gate/up all save; this is why
@@ -81,9 +83,14 @@ def _final_norm(model: ModelSpec, setup: Setup) -> list[float]:
     """The final norm's saves in the order the manager packs them (0: kept), read off the trace of
     transformers 5.24's RMSNorm: the fp32 input, the rsqrt, then both again (``x * rsqrt`` and the
     ``pow``: deduplicated, their device tensors kept), then ``weight * x``'s: the weight itself (a
-    parameter: kept) or Gemma's fp32 ``1 + weight``, and with a trainable weight the normalised tensor."""
+    parameter: kept) or Gemma's fp32 ``1 + weight``, and with a trainable weight the normalised tensor. With
+    Liger's kernels (TRL's ``use_liger_kernel``: the layer kernels, TRL's own fused head; liger-kernel 0.8.5
+    ops/rms_norm.py) the input, the weight and one fp32 rstd a row, read off SFTTrainer's real step with the
+    kernels' stand-ins (vramplan/run/liger.py)."""
     N, h, c = setup.tokens, model.hidden_size, precision.compute_bytes(setup)
     full = setup.method == "full"
+    if setup.liger:  # LigerRMSNormFunction.save_for_backward(X, W, RSTD): the 16-bit input, the weight (a
+        return [_sized(c * h * N), 0.0, _sized(4 * N)]  # parameter, trainable or not: kept), fp32 rstd a row
     head = [_sized(4 * h * N), _sized(4 * N), 0.0, 0.0]
     if model.traits.norm == "rms":
         return head + ([_sized(c * h * N)] if full else []) + [0.0]

@@ -209,9 +209,14 @@ def calibration_for(gpu=None, path=None, enabled: bool = True) -> tuple[Correcti
     file that cannot be read or is not a coefficients file is an error (SpecError). Otherwise the
     local ``calibration/coefficients.json`` when there is one (a corrupt one is a warning, and the
     shipped coefficients apply), else the shipped ones; a GPU class with no fit gets the
-    published defaults (calibration None)."""
+    published defaults (calibration None). ``gpu``: a GpuSpec or what ``--gpu`` takes (a shipped
+    name or alias: ``"rtx-4090"``)."""
     if not enabled:
         return DEFAULT_CORRECTIONS, []
+    if isinstance(gpu, str):  # a name's class, not silently none (the card's compute capability picks the group)
+        from ..setup.inputs import resolve_gpu
+
+        gpu = resolve_gpu(gpu)
     warnings: list[str] = []
     if path is not None:
         found = corrections_from(read_coefficients(path), gpu, str(path))

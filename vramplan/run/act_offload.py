@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-__all__ = ["HostStreams", "fake_storage_pointers", "offload_manager", "offload_step"]
+__all__ = ["HostStreams", "fake_storage_pointers", "host_record_stream", "offload_manager", "offload_step"]
 
 
 class HostStreams:
@@ -136,7 +136,30 @@ def offload_manager(model, counter, inner_pack):
 
 
 @contextlib.contextmanager
+def host_record_stream():
+    """``Tensor.record_stream`` accepting the no-op streams: the manager calls it on an unpacked tensor whose
+    storage a backward node's outputs or a checkpointed layer's recomputed saves still view (Liger's RMSNorm
+    saves ``X.view(-1, h)`` of the layer input: "Note: [Track views of the unpacked]") and drops its own
+    reference. On CUDA it only delays the block's reuse until the compute stream's queued work is done; it
+    allocates nothing and keeps no reference, so here it is a no-op (the views keep the bytes alive)."""
+    import torch
+
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        if isinstance(stream, HostStreams.Stream):
+            return None
+        return original(self, stream)
+
+    torch.Tensor.record_stream = record_stream
+    try:
+        yield
+    finally:
+        torch.Tensor.record_stream = original
+
+
+@contextlib.contextmanager
 def offload_step(ctx):
     """One training step (forward and backward) under the manager, as ``SFTTrainer.training_step``."""
-    with fake_storage_pointers(), ctx:
+    with fake_storage_pointers(), host_record_stream(), ctx:
         yield ctx

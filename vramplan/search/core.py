@@ -262,9 +262,14 @@ class Result:
 
     def choose_tight(self) -> Candidate | None:
         """The choice when nothing fits inside the margins (a ``strict=False`` search): :meth:`choose`'s
-        candidate at its smallest micro-batch, so that the step keeps what headroom the card allows."""
+        candidate, or a roomier one about as fast (:func:`~.rank.roomiest`), at its smallest micro-batch, so
+        that the step keeps what headroom the card allows."""
         chosen = self.choose()
-        return None if chosen is None else self._replace(chosen, self.search.smallest_micro_batch(chosen))
+        if chosen is None:
+            return None
+        chosen = self._replace(chosen, self.search.smallest_micro_batch(chosen))
+        pool = [self._replace(c, self.search.smallest_micro_batch(c)) for c in list(self.bests)]
+        return rank.roomiest(pool, chosen, self.search.ev.target.gpu.usable_memory_bytes)
 
     def _replace(self, old: Candidate, new: Candidate) -> Candidate:
         """``new`` in ``old``'s place among the bests (a refined micro-batch of it)."""

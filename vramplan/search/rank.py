@@ -16,7 +16,8 @@
    back to the higher rank, then to less memory.
 
 Tight plans (inside the margins) are never in the same choice as non-tight ones: the planner
-searches with the margins first and without them only when nothing fits (``planner.py``).
+searches with the margins first and without them only when nothing fits (``planner.py``); a tight plan
+then trades a little speed for headroom (:func:`roomiest`).
 At equal speed a plain transformers stack is chosen before Liger's kernels; Liger's kernels, vLLM for
 GRPO's generation, DPO's precomputed reference log-probs and the optimizer in backward (:func:`extras`) each must buy
 :data:`LIGER_MIN_GAIN` over the plan without them. **Alternatives**: the
@@ -167,6 +168,24 @@ def choose(bests: Sequence[Candidate]) -> Candidate | None:
     per_tier = tier_bests(bests)
     t = pick_tier(per_tier)
     return None if t is None else per_tier[t]
+
+
+#: A tight plan (it fits only without the margins, a ``strict=False`` search) trades up to this much speed for
+#: memory: among the candidates of its placement and quality tier at most this much slower, it takes the one
+#: needing the least device memory, when that frees at least :data:`TIGHT_MIN_ROOM` of the card. The headroom
+#: is what such a plan lacks; the same share an extra dependency must buy in speed (:data:`LIGER_MIN_GAIN`).
+TIGHT_SPEED_TOLERANCE = LIGER_MIN_GAIN
+TIGHT_MIN_ROOM = 0.01
+
+
+def roomiest(bests: Sequence[Candidate], chosen: Candidate, usable_bytes: int) -> Candidate:
+    """For a tight plan: ``chosen`` or, at its placement and tier, the candidate needing the least memory among
+    those at most :data:`TIGHT_SPEED_TOLERANCE` slower, when it frees :data:`TIGHT_MIN_ROOM` of ``usable_bytes``
+    or more (e.g. Liger's kernels beside TRL's activation offloading at the same speed, 0.4 GiB less)."""
+    pool = [c for c in bests if placement(c.setup) == placement(chosen.setup) and tier(c.setup) == tier(chosen.setup)
+            and c.tokens_per_s * (1 + TIGHT_SPEED_TOLERANCE) >= chosen.tokens_per_s]
+    best = min(pool, key=lambda c: (c.device_total_bytes, -c.tokens_per_s), default=chosen)
+    return best if chosen.device_total_bytes - best.device_total_bytes >= TIGHT_MIN_ROOM * usable_bytes else chosen
 
 
 def fastest_lower(bests: Sequence[Candidate], c: Candidate) -> Candidate | None:

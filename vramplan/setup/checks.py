@@ -141,9 +141,13 @@ def check_activation_offload(model: ModelSpec, setup: Setup) -> None:
         why = f"with --precision {setup.precision}: modelled for a 16-bit step (bf16, fp16)"
     elif setup.gpus > 1 or setup.zero_stage or setup.fsdp != "none" or setup.device_map != "none":
         why = "on several GPUs (ZeRO, FSDP, DDP, a layer split): modelled on one GPU"
-    elif (setup.loss not in ("hf", "trl") or (setup.loss == "trl" and setup.framework != "trl") or setup.liger
+    elif setup.liger and setup.loss != "trl":
+        why = ("with Liger's fused linear cross-entropy: it multiplies by lm_head's weight outside the module, so "
+               "the manager's NoOpManager on lm_head does not cover its saved grad_input (offloaded); not traced. "
+               "Modelled: Liger's layer kernels under TRL's fused head (--framework trl --loss trl)")
+    elif (setup.loss not in ("hf", "trl") or (setup.loss == "trl" and setup.framework != "trl")
           or setup.objective != "sft"):
-        why = ("with a chunked loss, Liger or DPO/GRPO: modelled with transformers' default loss and, under "
+        why = ("with a chunked loss or DPO/GRPO: modelled with transformers' default loss and, under "
                "--framework trl, TRL's fused head (SFT)")
     elif setup.padding_free or setup.pad_mask or setup.eval_batch:
         why = "with padding-free or padded batches or an eval step: not traced yet"

@@ -338,6 +338,10 @@ def run_sft(config: dict, setup: Setup) -> ObjectiveTruth:
                 from ..run.liger import patch_liger
 
                 stack.enter_context(patch_liger(model, fused_loss=False))
+            if setup.activation_offload:  # the manager's record_stream on the no-op streams (run/act_offload.py)
+                from ..run.act_offload import host_record_stream
+
+                stack.enter_context(host_record_stream())
             peaks = _run(trainer, trainer.model, phases)
         if setup.activation_offload:  # the device's peaks: the host copies left out
             peaks = {k: v for k, v in counter.device_phase_peaks.items() if k in TRUTH_PHASES}

@@ -62,10 +62,12 @@ def framework_cases(quick: bool, case_type, dense: tuple[str, ...]) -> list:
 DEEP_SHRINK = {"layers": 12, "hidden": 256, "heads": 4, "vocab": 2048}
 
 #: TRL's activation offloading (SFTConfig activation_offloading) on the base TRL prepares, 12 narrow layers so
-#: that the offloaded layer inputs show: NF4, LLM.int8, a 16-bit LoRA base, gradient accumulation.
+#: that the offloaded layer inputs show: NF4, LLM.int8, a 16-bit LoRA base, gradient accumulation; and with
+#: Liger's layer kernels (use_liger_kernel, TRL's fused head kept): NF4, a 16-bit LoRA base, full fine-tuning.
 OFFLOAD_TRL = tuple(SFT_TRL.replace(framework="trl", checkpointing=True, activation_offload=True, seq=1024, **kw)
                     for kw in ({"method": "qlora"}, {"method": "lora", "quant": "int8"}, {"method": "lora"},
-                               {"method": "qlora", "batch": 1, "grad_accum": 2}))
+                               {"method": "qlora", "batch": 1, "grad_accum": 2}, {"method": "qlora", "liger": True},
+                               {"method": "lora", "liger": True}, {"method": "full", "liger": True}))
 
 
 def offload_cases(case_type, dense: tuple[str, ...]) -> list:
