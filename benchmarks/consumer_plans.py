@@ -73,13 +73,13 @@ def main() -> int:
         by = defaultdict(Counter)
         for r in rows:
             by[r[key]][r["class"]] += 1
-        print(f"\n{key:<16} {'fits':>5} {'tight':>6} {'none':>5}")
+        print(f"\n{key:<20} {'fits':>5} {'tight':>6} {'none':>5}")
         for k, c in by.items():
-            print(f"{k!s:<16} {c['fits']:>5} {c['tight']:>6} {c['none']:>5}")
+            print(f"{k!s:<20} {c['fits']:>5} {c['tight']:>6} {c['none']:>5}")
     wanted = [w for w in a.list.split(",") if w]
     for r in rows:
         if r["class"] in wanted:
-            print(f"{r['class']:<5} {r['model']:<13} {r['card']:<16} {r['seq']:>6} {r['framework']:<8} "
+            print(f"{r['class']:<5} {r['model']:<13} {r['card']:<20} {r['seq']:>6} {r['framework']:<8} "
                   f"{r['method']}/{r['quant']} r{r['rank']} b{r['batch']} ckpt={r['checkpointing']} "
                   f"tiled={r['tiled_mlp']} {r['need_gib']}/{r['usable_gib']} GiB ({r['free_pct']} % free)")
     return 0

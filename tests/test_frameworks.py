@@ -423,3 +423,16 @@ def test_a_framework_that_runs_on_no_candidate_says_why():
     assert_user_error(run("plan", "llama-3.2-3b", "--gpu", "t4", "--framework", "torchtune"),
                       "no setup satisfies the fixed options together (the most frequent refusal: --framework "
                       "torchtune --precision fp16")
+
+
+def test_where_only_host_ram_keeps_a_tight_setup_out_the_plan_says_so():
+    """Qwen2.5-14B QLoRA at 32k on a T4 under Unsloth needs 14.8 of 15.0 GiB (inside the band: no fit with the
+    margins) and 14.7 GiB of pinned host RAM for its offloaded checkpoints, more than the T4 host's 16 GiB leaves.
+    Nothing fits; the plan names that QLoRA setup and its host RAM (the search without the margins meets host RAM
+    as its limit), not only the smallest setup that fails on the GPU (a LoRA at 33.7 GiB)."""
+    from vramplan.estimator.corrections import calibration_for
+
+    p = plan("qwen2.5-14b", "t4", seq=32768, framework="unsloth", corrections=calibration_for("t4")[0])
+    assert not p.fits
+    [note] = [n for n in p.notes if n.kind == "gpu_only"]
+    assert note.startswith("QLoRA") and "host RAM" in note

@@ -140,6 +140,7 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
     result = search.run()
     chosen = result.choose()
     tight = False
+    loose_result = None
     if chosen is None:
         loose_result = Search(spec, target, shape, fixed, error_band, strict=False, ranks=ranks,
                               brief=not details).run()
@@ -160,7 +161,10 @@ def _plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, nodes:
         if not details:
             return Plan(model=spec.name, setup=floor.setup, breakdown=floor.breakdown, gpu=card, nodes=nodes,
                         step_time_s=round(floor.step.step_s, 4), tokens_per_s=round(floor.tokens_per_s, 1), **host)
-        host_only = [c for c in judged if c.breakdown.fits and c.host_ram_bound]
+        # without the margins a setup inside the error band may meet host RAM as its last limit (Unsloth's pinned
+        # checkpoints of a long sequence): the search without them says so (its misfit is the host's)
+        loose_judged = [c for c in loose_result.search.ev.failures if c.breakdown is not None] if loose_result else []
+        host_only = [c for c in judged + loose_judged if c.breakdown.fits and c.host_ram_bound]
         notes = explain.no_fit_notes(floor, min(host_only, key=lambda c: c.device_total_bytes) if host_only else None)
         if relax:
             gpu_floor = result.gpu_floor()
