@@ -76,8 +76,12 @@ def test_drift_and_boundaries():
         "transformers": "transformers 5.25.0 installed, estimates model 5.24.0"}
     assert drift({"transformers": None}) == {}  # not installed: the estimate path needs none
     crossed = boundaries_crossed({"transformers": "4.47.1"})
-    assert {b.below for b, _ in crossed} == {(5,), (4, 49)}  # fused experts, reentrant default, the shifted copy
-    assert boundaries_crossed({"transformers": "4.45.0"}) == [(b, "4.45.0") for b in BOUNDARIES if b.below == (5,)]
+    # fused experts, reentrant default, SDPA's repeated K/V, the shifted copy
+    assert {b.below for b, _ in crossed} == {(5,), (4, 54), (4, 49)}
+    assert boundaries_crossed({"transformers": "4.45.0"}) == [(b, "4.45.0") for b in BOUNDARIES
+                                                             if b.below in ((5,), (4, 54))]
+    assert {b.key for b, _ in boundaries_crossed({"transformers": "4.54.0"})} == {"moe_experts_linear",
+                                                                                "reentrant_checkpointing"}
     assert boundaries_crossed({"transformers": "5.99.0"}) == []
 
 

@@ -25,28 +25,32 @@ Measured (2 CPU threads, torch 2.13.0+cpu, transformers 4.48.1, peft 0.13.2, bit
 batch 2 x seq 256, rank 16, adamw, bf16 weights):
 
     case            measured B   estimate B    error   (before moe_4x.py: 5's fused experts)
-    qlora-qkvo        54977336     52974272   -3.64 %   +28.4 %
-    qlora-qkvo-ck     28248076     28003008   -0.87 %   +72.1 %
-    qlora-all         71330312     69327040   -2.81 %   +56.0 %
-    qlora-all-ck      38783840     39457472   +1.74 %   +104.0 %
-    lora-all          69689672     68685824   -1.44 %   +8.3 %
-    lora-all-ck       40775962     40604160   -0.42 %   +20.5 %
+    qlora-qkvo        54977336     54547136   -0.78 %   +28.4 %
+    qlora-qkvo-ck     28248076     28789440   +1.92 %   +72.1 %
+    qlora-all         71330312     70899904   -0.60 %   +56.0 %
+    qlora-all-ck      38783840     40243904   +3.76 %   +104.0 %
+    lora-all          69689672     69472256   -0.31 %   +8.3 %
+    lora-all-ck       40775962     40997376   +0.54 %   +20.5 %
     olmoe-qlora-all   42537400     42106992   -1.01 %   (OLMoE, MHA: top-k weights not renormalised)
     olmoe-lora-all-ck 23386440     23166976   -0.94 %
 
-(The rows without checkpointing were 0.5 MB higher until MODEL_VERSION 6: the first layer's input norm saves
-nothing there, its input needing no gradient, as a saved-tensors hook over this 4.48.1 + peft 0.13.2 step shows:
-estimator/activations.py ``untracked_input_norm_bytes_per_token``; before it, other misses were hidden under it.)
+Since MODEL_VERSION 6 the estimate counts two things of this stack it missed: without checkpointing the first
+layer's input norm saves nothing (its input needs no gradient; estimator/activations.py
+``untracked_input_norm_bytes_per_token``: -0.5 MB), and 4.48.1's SDPA repeats K/V to every head before the call
+(``repeat_kv``; transformers 5 passes ``enable_gqa``: estimator/stack.py ``sdpa_repeats_kv``), which a GQA layer
+keeps (+0.8 MB without checkpointing, +0.4..0.8 MB in the recomputed layer with it). The no-checkpointing rows were
+-2.7 / -2.1 / -0.7 % before. With checkpointing the estimate is over by 0.5-3.8 %: 4.48.1 checkpoints reentrantly,
+the estimate's recompute moment is 5's non-reentrant one (it was +1.7 % on qlora-all-ck before the repeated K/V).
 
 The weights (quantized experts and router, LoRA on every expert under all-linear) are exact to 64 bytes;
 one MoE layer's saved tensors are exact (saved_tensors_hooks over the 4.48.1 block: 25684 B/token on
 q/k/v/o QLoRA, 36372 with the experts' and router's adapters, 25616 on the bf16 LoRA base). The rest
-of the no-checkpointing QLoRA gap is not the MoE: 4.48.1's SDPA path (integrations/sdpa_attention.py)
-repeats K/V to every head before the call (``repeat_kv``), which the estimate's transformers-5
-attention does not (2 c (q - kv) per token and layer, 3 KB/token here; FlashAttention-2, the
-published rows' kernel, repeats nothing). With MHA=1 (as many K/V heads as heads) the same run gives
-qlora-qkvo 55226216 measured / 55322352 estimated (+0.17 %), lora-all 70230344 / 70539264 (+0.44 %) (estimates of
-MODEL_VERSION 5; 0.5 MB less since: -0.78 %, -0.31 %).
+of the no-checkpointing QLoRA gap was not the MoE: 4.48.1's SDPA path (integrations/sdpa_attention.py)
+repeats K/V to every head before the call (``repeat_kv``), which the estimate now counts under a transformers
+below 4.54 (2 c (q - kv) per token and layer; FlashAttention-2, the published rows' kernel, repeats nothing).
+With MHA=1 (as many K/V heads as heads, nothing repeated) the same run gave qlora-qkvo 55226216 measured /
+55322352 estimated (+0.17 %), lora-all 70230344 / 70539264 (+0.44 %) under MODEL_VERSION 5, -0.78 % / -0.31 %
+with the first layer's norm: what the GQA rows give now that the repeated K/V are counted.
 
     /tmp/v448/bin/python calibration/published/moe_4x_probe.py             # the table (about 2 minutes)
     MHA=1 /tmp/v448/bin/python calibration/published/moe_4x_probe.py qlora-qkvo lora-all

@@ -127,7 +127,10 @@ def attention_bytes(model: ModelSpec, setup: Setup) -> float:
         total += c * (q + 2 * kv) + (c * (q + kv) if t.rope else 0)
     else:
         total += 2 * c * kv + c * q
-        total += masked_layers(model, setup) / model.num_layers * 2 * c * (q - kv)
+        # transformers before 4.54 repeats K/V in every SDPA layer (estimator/stack.py model_under)
+        repeated = (1.0 if t.sdpa_repeat_kv and attention_impl(model, setup) == "sdpa"
+                    else masked_layers(model, setup) / model.num_layers)
+        total += repeated * 2 * c * (q - kv)
     # a masked layer's SDPA converts the boolean mask to a new additive one in the query's dtype
     # (torch's convert_boolean_attn_mask), which the memory-efficient kernel saves: (b, 1, s, s),
     # or expanded to every head and padded to a multiple of 16 keys when s is not one

@@ -69,6 +69,15 @@ class Stack:
         return _before("moe_experts_linear", self.transformers)
 
     @property
+    def sdpa_repeats_kv(self) -> bool:
+        """transformers before 4.54 repeats K and V to every query head before SDPA
+        (integrations/sdpa_attention.py ``repeat_kv``, read off the 4.48.1 and 4.53.0 wheels), so a
+        grouped-query layer saves the repeated copies; 4.54.0 passes ``enable_gqa=True`` when there is
+        no mask (``use_gqa_in_sdpa``; 5.24 also wants a head_dim of 256 or less), read off the
+        4.54.0 wheel. FlashAttention-2 repeats nothing on either side."""
+        return _before("sdpa_repeat_kv", self.transformers)
+
+    @property
     def reentrant_checkpointing(self) -> bool:
         """The HF Trainer's ``gradient_checkpointing=True`` with no kwargs: transformers 4.x
         ``PreTrainedModel.gradient_checkpointing_enable`` passes ``{"use_reentrant": True}`` (read
@@ -131,9 +140,12 @@ def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
     notes = []
     fsdp1_reentrant = (stack.reentrant_checkpointing and setup.checkpointing and setup.fsdp != "none"
                        and setup.fsdp_version == 1)
+    repeated = model.traits.sdpa_repeat_kv and (setup.attn == "sdpa" or (setup.attn == "auto"
+                                                                          and model.default_attn == "sdpa"))
     applied = [what for flag, what in ((stack.loss_shift_copy, "the loss's shifted fp32 logits copy"),
                                        (fsdp1_reentrant, "reentrant checkpointing: FSDP1 prefetches no layer "
-                                                         "unit in the backward"))
+                                                         "unit in the backward"),
+                                       (repeated, "SDPA's K/V repeated to every head (repeat_kv)"))
                if flag]
     if not stack.is_default:
         notes.append(f"models {stack.describe()}" + (f" (applied: {', '.join(applied)})" if applied else ""))
@@ -164,3 +176,14 @@ def transformers_stack(version: str) -> Stack:
         return Stack(transformers=text)
     except ValueError:
         raise ValueError(f"{version!r} is not a version; write e.g. 4.48.1, 5 or installed") from None
+
+
+def model_under(model: ModelSpec, stack: Stack) -> ModelSpec:
+    """``model`` as ``stack``'s transformers runs its attention: before 4.54 a grouped-query model's SDPA layers
+    keep K and V repeated to every head (``FamilyTraits.sdpa_repeat_kv``, read by estimator/activations.py);
+    otherwise ``model`` itself (the same object)."""
+    import dataclasses
+
+    if not stack.sdpa_repeats_kv or model.num_kv_heads >= model.num_heads or model.traits.sdpa_repeat_kv:
+        return model
+    return dataclasses.replace(model, traits=dataclasses.replace(model.traits, sdpa_repeat_kv=True))

@@ -46,7 +46,7 @@ from .model_states import (
 )
 from .parallel_rank import rank_estimator
 from .precision import compute_bytes
-from .stack import DEFAULT_STACK, Stack, stack_notes
+from .stack import DEFAULT_STACK, Stack, model_under, stack_notes
 from .tiled_mlp import tile_tokens, tiled_gradient_saving
 
 
@@ -68,6 +68,7 @@ def estimate(
     The step's tensor terms (:func:`tensor_terms`) are the same on every card unless :func:`card_terms`;
     they are kept per value (estimator/cache.py) and the card's device terms put on them here."""
     model = moe_4x.model_for(model, stack, setup)  # transformers 4.x: per-expert MoE Linears (estimator/moe_4x.py)
+    model = model_under(model, stack)  # transformers before 4.54: SDPA's repeated K/V (estimator/stack.py)
     one_rank = rank_estimator(setup)  # pp, cp or tp: one stage's / rank's estimate (estimator/parallel_rank.py)
     if one_rank is not None:
         return one_rank(model, setup, gpu, corrections, stack, estimate)

@@ -82,6 +82,8 @@ class FamilyTraits:
     rope_layers: tuple[int, ...] = ()  # per layer, RoPE (1) or NoPE (0) where a family mixes them (Llama 4)
     qk_l2_norm: bool = False  # Llama 4's weightless L2 q/k norm on its RoPE layers (use_qk_norm)
     attn_temperature_tuning: bool = False  # Llama 4's NoPE layers scale q by a per-position temperature
+    #: SDPA gets K and V repeated to every query head (transformers before 4.54: estimator/stack.py model_under)
+    sdpa_repeat_kv: bool = False
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,12 @@ BOUNDARIES: tuple[Boundary, ...] = (
              "non-reentrant checkpointing (use_reentrant=False)",
              "transformers 4.48.1 modeling_utils.py gradient_checkpointing_enable; 5.24 "
              "_activation_checkpointing_enable"),
+    Boundary("sdpa_repeat_kv", "transformers", (4, 54),
+             "SDPA gets K and V repeated to every query head (repeat_kv before the call): a GQA layer keeps "
+             "the repeated copies for its backward",
+             "SDPA gets K and V at their own head count (enable_gqa=True) when no mask is passed",
+             "transformers 4.48.1 and 4.53.0 integrations/sdpa_attention.py (repeat_kv always); 4.54.0 "
+             "use_gqa_in_sdpa (torch >= 2.5, no attention mask)"),
     Boundary("loss_shift_copy", "transformers", (4, 49),
              "the causal-LM loss keeps a second, shifted fp32 copy of the logits while cross_entropy runs",
              "the labels are shifted instead (no second fp32 logits copy)",
