@@ -293,8 +293,8 @@ def test_an_8gb_card_plans_a_tight_run_in_vram_over_zero3_offload(card, model):
 
 def test_qwen25_7b_fits_an_8gb_card_with_the_margins_through_trls_liger_and_offloading():
     """Qwen2.5-7B QLoRA at 2048 tokens on an RTX 4060 (the card class's calibration, as the CLI plans): TRL's
-    activation offloading with Liger's layer kernels (TRL's fused head kept) keeps both margins; each saver
-    alone leaves the plan tight (0.01 GiB short before Liger was modelled beside the offloading)."""
+    activation offloading with Liger's layer kernels (TRL's fused head kept) keeps both margins; the offloading
+    alone leaves the plan tight (under 0.01 GiB short: the plan before Liger was modelled beside it)."""
     from vramplan.estimator.corrections import calibration_for
 
     gpu = load_gpu("rtx-4060")

@@ -10,11 +10,12 @@ Anything not listed is modelled as the default stack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..specs import ModelSpec, Setup
 from ..util.units import bnb_4bit_tensor_bytes, gib
 from ..util.versions import boundary, version_tuple
+from .precision import attention_impl
 
 #: what the formulas are read off (the default Stack), stated in every Breakdown's notes
 MODELLED_VERSIONS = {"transformers": "5", "torch": "2.13", "peft": "0.21", "accelerate": "1.15",
@@ -140,8 +141,7 @@ def stack_notes(model: ModelSpec, setup: Setup, stack: Stack) -> list[str]:
     notes = []
     fsdp1_reentrant = (stack.reentrant_checkpointing and setup.checkpointing and setup.fsdp != "none"
                        and setup.fsdp_version == 1)
-    repeated = model.traits.sdpa_repeat_kv and (setup.attn == "sdpa" or (setup.attn == "auto"
-                                                                          and model.default_attn == "sdpa"))
+    repeated = model.traits.sdpa_repeat_kv and attention_impl(model, setup) == "sdpa"
     applied = [what for flag, what in ((stack.loss_shift_copy, "the loss's shifted fp32 logits copy"),
                                        (fsdp1_reentrant, "reentrant checkpointing: FSDP1 prefetches no layer "
                                                          "unit in the backward"),
@@ -182,8 +182,6 @@ def model_under(model: ModelSpec, stack: Stack) -> ModelSpec:
     """``model`` as ``stack``'s transformers runs its attention: before 4.54 a grouped-query model's SDPA layers
     keep K and V repeated to every head (``FamilyTraits.sdpa_repeat_kv``, read by estimator/activations.py);
     otherwise ``model`` itself (the same object)."""
-    import dataclasses
-
     if not stack.sdpa_repeats_kv or model.num_kv_heads >= model.num_heads or model.traits.sdpa_repeat_kv:
         return model
-    return dataclasses.replace(model, traits=dataclasses.replace(model.traits, sdpa_repeat_kv=True))
+    return replace(model, traits=replace(model.traits, sdpa_repeat_kv=True))
