@@ -31,11 +31,9 @@ def one(model: str, card: str, seq: int, framework: str) -> dict:
     """The plan of one question as a row: its class, headroom and the bar's properties."""
     import vramplan
     from vramplan.estimator.corrections import calibration_for
-    from vramplan.setup.inputs import resolve_gpu
 
-    gpu = resolve_gpu(card)
-    corrections, _ = calibration_for(gpu, None, enabled=True)  # the card class's, as the command applies it
-    p = vramplan.plan(model, gpu, seq=seq, framework=framework, corrections=corrections)
+    corrections, _ = calibration_for(card)  # the card class's, as the command applies it
+    p = vramplan.plan(model, card, seq=seq, framework=framework, corrections=corrections)
     s, b = p.setup, p.breakdown
     usable = b.gpu.usable_memory_bytes
     offloaded = s.zero_stage > 0 or s.fsdp != "none" or s.offload_params != "none" or s.offload_optimizer != "none"

@@ -10,6 +10,7 @@ from ..estimator import trainable_params, weights_bytes
 from ..estimator.lora import adapted_linears
 from ..estimator.optimizers import trainable_tensors
 from ..estimator.stack import DEFAULT_STACK, Stack, stack_from_versions
+from ..estimator.tiled_mlp import tile_tokens
 from ..specs import ModelSpec, Setup
 
 #: bitsandbytes bytes per weight per dequantization: packed read + 16-bit write.
@@ -128,8 +129,6 @@ def tiled_mlp_extra(model: ModelSpec, setup: Setup) -> tuple[float, float]:
     checkpoint's recompute) and in the backward's forward and backward). (0, 0) untiled."""
     if not setup.tiled_mlp:
         return 0.0, 0.0
-    from ..estimator.tiled_mlp import tile_tokens
-
     mlp = float(sum(l.count * l.weight_params for l in model.linears if l.role == "mlp"))
     flops = 2.0 * mlp
     flops += 2.0 * sum(l.count * setup.lora_rank * (l.in_features + l.out_features)

@@ -22,6 +22,7 @@ setup/checks.py). The extra MLP forward per layer is in the cost model. Torch-fr
 from __future__ import annotations
 
 from ..specs import ModelSpec, Setup
+from .precision import adapter_dtype_bytes
 
 __all__ = ["tile_tokens", "tiled_gradient_saving"]
 
@@ -40,6 +41,4 @@ def tiled_gradient_saving(model: ModelSpec, setup: Setup) -> float:
     input's gradient arrives as full-length LoRA-branch input gradients in the adapters' dtype summed into it
     (transients.NORM_BACKWARD_H counts one such hidden-sized tensor); tiled, each tile's are summed into its
     slice of ``x_gradients`` and freed with the tile. Read off the CPU truth (vramplan/truths/tiled_truth.py)."""
-    from .precision import adapter_dtype_bytes
-
     return adapter_dtype_bytes(setup) * model.hidden_size if setup.adapters else 0.0

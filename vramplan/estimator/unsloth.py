@@ -54,6 +54,7 @@ import math
 from ..specs import PHASES, Component, GpuSpec, ModelSpec, Setup
 from ..util.units import GiB, MiB
 from .precision import compute_bytes
+from .tiled_mlp import tile_tokens
 
 __all__ = ["CE_TARGET_CAP_BYTES", "LOSS_NOTE", "OFFLOAD_MIN_SEQ", "checkpoint_note", "chunks", "components",
            "dequantization_buffer_bytes", "device_checkpoint_bytes", "fast_path", "host_bytes", "loss_transients",
@@ -145,8 +146,6 @@ def tiled_recompute_bytes(model: ModelSpec, setup: Setup) -> int:
     incoming gradient and ``x_gradients``, c (5 h + 2 kv + 2 h) N + c (3 i + h) per tile token. After it the
     attention's backward (FlashAttention-2's: dQ, dK, dV and an fp32 dQ accumulator, 4 h, beside the incoming
     gradient) can be the larger moment, once the MLP's input is freed; the greater of the two."""
-    from .tiled_mlp import tile_tokens
-
     c, N, h = compute_bytes(setup), setup.tokens, model.hidden_size
     i, kv, fp32 = model.intermediate_size, model.kv_dim, 4 * (2 + model.num_heads)
     mlp = N * (c * (5 * h + 2 * kv + 2 * h) + fp32) + tile_tokens(model, setup) * c * (3 * i + h)

@@ -27,6 +27,7 @@ from ..setup.checks import (
     check_activation_offload,
     check_framework,
     check_fsdp2,
+    tiled_mlp_applies,
 )
 from ..setup.compat import known_failures, runs
 from ..setup.frameworks import framework
@@ -221,8 +222,8 @@ class Space:
         # torchtune's compile: True: its compiled loss saves memory (estimator/torchtune.py), searched as a saver
         compiles = self.choices("compile", (False, True) if family.framework == "torchtune" else (False,))
         # Unsloth's unsloth_tiled_mlp=True: the MLP's activations of one tile (estimator/tiled_mlp.py), a saver
-        tileds = self.choices("tiled_mlp", (False, True) if family.framework == "unsloth" and self.model.moe is None
-                              and not self.model.traits.conv_layers else (False,))
+        tileds = self.choices("tiled_mlp", (False, True) if family.framework == "unsloth"
+                              and tiled_mlp_applies(self.model) else (False,))
         objective = self.objective_knobs(family)
         out = []
         for z, o, p, m in self.placements():

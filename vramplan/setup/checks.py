@@ -277,11 +277,17 @@ def check_trl_loss(setup: Setup) -> None:
                         "in its checkpoint's dtype); use --precision bf16")
 
 
+def tiled_mlp_applies(model: ModelSpec) -> bool:
+    """The tiled MLP (``--tiled-mlp``) is modelled on ``model``: a dense decoder-only transformer (no MoE block,
+    no LFM2 convolution layers); :func:`check` refuses it elsewhere, the search does not try it there."""
+    return model.moe is None and not model.traits.conv_layers
+
+
 def check(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None) -> list[str]:
     """Raise SpecError if ``setup`` cannot run on ``model``; return warnings (one line each)."""
     refuse_unmodelled(setup)
     check_framework(setup)
-    if setup.tiled_mlp and model.moe is not None:  # estimator/tiled_mlp.py: dense MLPs only
+    if setup.tiled_mlp and model.moe is not None:  # estimator/tiled_mlp.py: dense MLPs only (tiled_mlp_applies)
         raise SpecError(f"--tiled-mlp on {model.name} (MoE): Unsloth also tiles an MoE block (a module named "
                         "*.mlp or *.block_sparse_moe), which is not modelled yet; dense models only")
     if setup.tiled_mlp and model.traits.conv_layers:  # (a hybrid's layers: estimator/short_conv.py)
