@@ -93,14 +93,29 @@ def run_emitted(folder: Path, which: int = 0, extra: tuple[str, ...] = ()) -> di
         cmd[1:1] = ["--master_port", str(free_port())]  # another process holds the launcher's default port
     cmd += ["--cpu", "--max-steps", "2", "--memory-report", "memory.json", *extra]
     port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else 29500  # both launchers' default
-    try:
-        out = subprocess.run(cmd, check=False, cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
-    finally:
-        release_deepspeed_shm(port)  # DeepSpeed's CPU ranks leave ~64 MiB of /dev/shm each
+    for attempt in (1, 2):
+        for stale in folder.glob("memory*.json"):
+            stale.unlink()
+        try:
+            out = subprocess.run(cmd, check=False, cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
+        finally:
+            release_deepspeed_shm(port)  # DeepSpeed's CPU ranks leave ~64 MiB of /dev/shm each
+        if out.returncode == 0 or attempt == 2 or not _aborted_in_teardown(out, folder):
+            break
     assert out.returncode == 0, f"{shlex.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     assert "gradient_checkpointing_enable` is deprecated" not in out.stderr  # transformers 5's old name, gone in v6
     single = folder / "memory.json"  # several ranks: one report per rank, memory.rankN.json
     return json.loads((single if single.exists() else folder / "memory.rank0.json").read_text())
+
+
+def _aborted_in_teardown(out: subprocess.CompletedProcess, folder: Path) -> bool:
+    """A CPU rank that trained, saved and wrote its report, then aborted while its gloo groups were torn
+    down ("terminate called without an active exception", exit -6: seen once in CI on a 2-rank ZeRO-3
+    run, not reproduced in 20 runs here; the emitted script's barrier before it leaves the group is the
+    fix tried; vramplan/truths/cpu_launch.py skips that teardown for the same reason). Such a run is
+    repeated once; a second failure fails the test."""
+    return ("terminate called without an active exception" in out.stderr + out.stdout
+            and any(folder.glob("memory*.json")))
 
 
 def _check_report(report: dict, plan: Plan) -> None:

@@ -534,10 +534,13 @@ def main(argv: list[str] | None = None) -> int:
 def _leave_process_group() -> None:
     """Every rank leaves the process group before the interpreter exits (the Trainer does not):
     torch warns about a group destructed at exit, and gloo's worker threads can abort it there
-    ("terminate called without an active exception")."""
+    ("terminate called without an active exception"). The barrier first: rank 0 may still be
+    writing the model (``save_model`` gathers on every rank, then only rank 0 writes), and a rank
+    that tears its groups down while a peer still holds the connection can abort the same way."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
