@@ -196,3 +196,59 @@ def test_model_types_outside_fastlanguagemodels_dispatch_recompute_as_transforme
                        for w in check(m, s))
         # Unsloth's offloaded checkpointing and fused loss either way
         assert estimate(m, s).host_bytes == unsloth.host_bytes(m, s) > 0
+
+
+def test_the_dynamic_upload_unsloth_would_load_is_named_and_the_emitted_config_loads_the_plain_one():
+    """With ``load_in_4bit=True`` Unsloth 2026.8.19 swaps a 16-bit name for its own 4-bit upload
+    (loader_utils.py ``__get_model_name``): for Llama-3.1-8B the dynamic ``-unsloth-bnb-4bit`` one, which keeps
+    modules in 16 bits that the estimate does not count. The plan says so; unsloth.yaml names the plain
+    ``-bnb-4bit`` upload with ``use_exact_model_name`` (what the estimate counts); Mistral-7B's default is
+    plain already (no note), an explicit upload name is kept, and 16-bit LoRA is left to Unsloth's mapper."""
+    import yaml
+
+    from vramplan.emit import render
+    from vramplan.model.profiles import unsloth_checkpoint_note, unsloth_upload
+
+    assert unsloth_upload("llama-3.1-8b") == {"loads": "unsloth/Llama-3.1-8B-unsloth-bnb-4bit", "dynamic": True,
+                                              "plain_4bit": "unsloth/Llama-3.1-8B-bnb-4bit"}
+    assert unsloth_upload("mistral-7b")["dynamic"] is False
+    assert unsloth_upload("unsloth/Llama-3.1-8B-bnb-4bit") is None  # kept as named
+    assert unsloth_upload("Qwen/Qwen3-32B")["loads"].lower() == "unsloth/qwen3-32b-bnb-4bit"  # BAD_MAPPINGS
+    note = unsloth_checkpoint_note("llama-3.1-8b")
+    assert "for meta-llama/Llama-3.1-8B" in note and "unsloth/Llama-3.1-8B-bnb-4bit" in note
+
+    qlora = plan("llama-3.1-8b", "rtx-4090", seq=2048, framework="unsloth", method="qlora")
+    assert note in qlora.notes
+    cfg = yaml.safe_load(render(qlora)["unsloth.yaml"])
+    assert (cfg["model_name"], cfg["use_exact_model_name"]) == ("unsloth/Llama-3.1-8B-bnb-4bit", True)
+    lora = plan("llama-3.1-8b", "rtx-4090", seq=2048, framework="unsloth", method="lora")
+    cfg = yaml.safe_load(render(lora)["unsloth.yaml"])
+    assert (cfg["model_name"], cfg["use_exact_model_name"]) == ("meta-llama/Llama-3.1-8B", False)
+    assert not any("Unsloth loads" in n for n in lora.notes)
+    mistral = plan("mistral-7b", "rtx-4090", seq=2048, framework="unsloth", method="qlora")
+    assert not any("Unsloth loads" in n for n in mistral.notes)
+    assert not any("Unsloth loads" in n for n in plan("llama-3.1-8b", "rtx-4090", framework="trl").notes)
+
+    out = run("estimate", "llama-3.1-8b", "--framework", "unsloth", "--method", "qlora", "--json")
+    assert out.exit_code == 0 and note in __import__("json").loads(out.stdout)["notes"]
+    named = run("estimate", "unsloth/Llama-3.1-8B-unsloth-bnb-4bit", "--framework", "unsloth")
+    assert "an Unsloth dynamic 4-bit upload" in named.stderr and "Unsloth loads" not in named.stderr
+
+
+def test_the_uploads_table_is_unsloths_mapper():
+    """profiles/unsloth_uploads.json is what tools/unsloth_uploads.py reads off the unsloth 2026.8.19 wheel
+    (VRAMPLAN_UNSLOTH_WHEEL; .ci/run downloads it)."""
+    import importlib.util
+    import json
+    import os
+    from pathlib import Path
+
+    wheel = os.environ.get("VRAMPLAN_UNSLOTH_WHEEL")
+    if not wheel:
+        pytest.skip("VRAMPLAN_UNSLOTH_WHEEL not set (the unsloth 2026.8.19 wheel)")
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("unsloth_uploads", root / "tools" / "unsloth_uploads.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    committed = json.loads((root / "profiles" / "unsloth_uploads.json").read_text())
+    assert tool.build(Path(wheel)) == committed

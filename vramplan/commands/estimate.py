@@ -45,7 +45,7 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
     HF TrainingArguments, accelerate, DeepSpeed: docs/formats/); setup flags given override it."""
     from ..estimator import estimate as run_estimate
     from ..estimator.corrections import uncalibrated_reason
-    from ..model.profiles import load_model
+    from ..model.profiles import load_model, unsloth_checkpoint_note
     from ..setup.inputs import resolve_gpu
 
     if is_config_file(model, config_format):
@@ -59,10 +59,13 @@ def estimate(model: str, setup: Setup, gpu_name: str | None, gpu_memory: str | N
     corrections = corrections_for(gpu, no_calibration, calibration_file)
     stack = stack_for(transformers_version)
     bd = run_estimate(load_model(model), setup, gpu, corrections, stack)  # checks the setup against the model, GPU
-    for note in bd.notes:  # the analytic tier's notes are the check's warnings
+    checkpoint = unsloth_checkpoint_note(model) if (bd.setup.framework, bd.setup.quant) == ("unsloth", "nf4") else ""
+    for note in (*bd.notes, checkpoint) if checkpoint else bd.notes:  # the analytic tier's notes: the check's warnings
         warn(note)
     if as_json:
         data = bd.to_json()
+        if checkpoint:
+            data["notes"] = [*data["notes"], checkpoint]
         if bd.setup.pp > 1 and bd.per_rank:  # pipeline parallelism: the stage the headline numbers are
             data["fullest_stage"] = max(bd.per_rank, key=lambda r: (r.device_total_bytes, -r.rank)).rank
         if not stack.is_default:  # the stack the numbers follow, not the default one

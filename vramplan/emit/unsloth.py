@@ -6,10 +6,17 @@ the script is the same text for every plan, and every value goes through ``yaml.
 Unsloth 2026.8.19's API (unsloth/models/loader.py ``FastLanguageModel.from_pretrained(model_name,
 max_seq_length, dtype, load_in_4bit, unsloth_tiled_mlp, ...)``, unsloth/models/llama.py ``get_peft_model(model, r,
 target_modules, lora_alpha, lora_dropout, bias, use_gradient_checkpointing, random_state, ...)``) with the
-TRL it pins (<= 0.24: ``SFTConfig.max_length``)."""
+TRL it pins (<= 0.24: ``SFTConfig.max_length``).
+
+QLoRA loads the checkpoint the estimate counts: with ``load_in_4bit=True`` Unsloth swaps a 16-bit name for
+its own 4-bit upload (unsloth/models/loader_utils.py ``__get_model_name``), for about half the shipped models a
+dynamic ``-unsloth-bnb-4bit`` one that keeps some modules in 16 bits (not counted). So ``model_name`` is
+Unsloth's plain ``-bnb-4bit`` upload where its mapper lists one (profiles/unsloth_uploads.json), else the
+named checkpoint, and ``use_exact_model_name: true`` loads it as named (a 16-bit one quantized on load)."""
 
 from __future__ import annotations
 
+from ..model.profiles import unsloth_upload
 from ..specs import ModelSpec, Setup
 
 __all__ = ["SCRIPT", "TRAIN_FILE", "refusal", "unsloth_config"]
@@ -37,10 +44,15 @@ def refusal(s: Setup, model: ModelSpec) -> str | None:
 def unsloth_config(s: Setup, model: ModelSpec, *, model_id: str, nodes: int = 1) -> dict:
     """The settings ``unsloth_train.py`` reads (see :data:`SCRIPT`)."""
     targets = _ALL_LINEAR if s.lora_targets == "all-linear" else [t.strip() for t in s.lora_targets.split(",")]
+    four_bit = s.quant == "nf4"
+    upload = unsloth_upload(model_id) if four_bit else None
     return {
-        "model_name": model_id,
+        # the checkpoint the plan counted: plain NF4 (Unsloth's -bnb-4bit upload, or the named one quantized on
+        # load), not the dynamic -unsloth-bnb-4bit upload Unsloth would pick, which keeps modules in 16 bits
+        "model_name": (upload or {}).get("plain_4bit") or model_id,
+        "use_exact_model_name": four_bit,
         "max_seq_length": s.seq,
-        "load_in_4bit": s.quant == "nf4",
+        "load_in_4bit": four_bit,
         "dtype": "bfloat16" if s.precision == "bf16" else "float16",
         "unsloth_tiled_mlp": s.tiled_mlp,  # unsloth_zoo's TiledMLP (estimator/tiled_mlp.py)
         "lora": {"r": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
@@ -76,6 +88,7 @@ if not cfg.get("dataset_name"):
 model, tokenizer = FastLanguageModel.from_pretrained(
     model_name=cfg["model_name"], max_seq_length=cfg["max_seq_length"],
     dtype=getattr(torch, cfg["dtype"]), load_in_4bit=cfg["load_in_4bit"],
+    use_exact_model_name=cfg.get("use_exact_model_name", False),
     unsloth_tiled_mlp=cfg.get("unsloth_tiled_mlp", False))
 model = FastLanguageModel.get_peft_model(
     model, bias="none", random_state=3407, use_gradient_checkpointing=cfg["use_gradient_checkpointing"],

@@ -43,7 +43,8 @@ checked against Unsloth's own published notebook peaks, docs/frameworks.md):
   longest context Llama-3.1-8B QLoRA r32 reaches per card size (docs/frameworks.md).
 
 Not modelled: the dynamic
-``-unsloth-bnb-4bit`` uploads keep some extra modules 16-bit (per checkpoint, not read); padding-free
+``-unsloth-bnb-4bit`` uploads keep some extra modules 16-bit (per checkpoint, not read: the plan names the one
+Unsloth would load and the emitted config loads the plain upload, search/planner.py and emit/unsloth.py); padding-free
 batches (Unsloth turns them on) change no tensor of a full-length batch. Torch-free."""
 
 from __future__ import annotations

@@ -140,9 +140,44 @@ def resolve(name: str) -> tuple[str, str, str] | None:
     knobs = _QUANT_SUFFIXES.get(suffix)
     quant = (f"; its {repo[len(stripped) + 1:]} quantization read from the name: "
              + ", ".join(f"{k} {v}" for k, v in knobs.items()) + " unless given") if knobs else ""
+    if suffix == "-unsloth-bnb-4bit":
+        quant += (" (an Unsloth dynamic 4-bit upload: some modules kept in 16 bits, listed in its config.json, "
+                  "not read offline and not counted; Unsloth states under 10 % more memory than bitsandbytes 4-bit)")
     note = f"{name.strip()} read as {'a re-upload' if org != target.split('/')[0].lower() else 'an upload'} of " \
            f"{target} (its config.json: {hf_id}){quant}"
     return name.strip(), hf_id, note
+
+
+@functools.lru_cache(maxsize=1)
+def _unsloth_uploads() -> dict[str, dict]:
+    """lowercase shipped id or variant -> profiles/unsloth_uploads.json's entry (tools/unsloth_uploads.py)."""
+    return {k.lower(): v for k, v in json.loads((_data() / "unsloth_uploads.json").read_text())["uploads"].items()}
+
+
+def unsloth_upload(name: str) -> dict | None:
+    """The 4-bit checkpoint Unsloth 2026.8.19 loads for ``name`` under ``load_in_4bit=True`` (its mapper,
+    profiles/unsloth_uploads.json): ``{"loads", "dynamic", "plain_4bit"}``; None for a name the mapper does not
+    map, or one that names a pre-quantized upload itself (Unsloth keeps an explicit ``-bnb-4bit`` name)."""
+    hit = resolve(name) if name and name.strip() else None
+    if hit is None or _quant_suffix(name.strip().lower().split("/")[-1]):
+        return None
+    uploads = _unsloth_uploads()
+    return uploads.get(hit[0].lower()) or uploads.get(hit[1].lower())
+
+
+def unsloth_checkpoint_note(name: str) -> str:
+    """Where Unsloth's default 4-bit checkpoint for ``name`` is not what the estimate counts: a dynamic
+    ``-unsloth-bnb-4bit`` upload keeps some modules in 16 bits (listed per checkpoint in its config.json, not
+    read offline); ""."""
+    up = unsloth_upload(name)
+    if not up or not up["dynamic"]:
+        return ""
+    name = resolve(name)[0]  # the Hub id Unsloth is given (an alias resolved)
+    counted = up["plain_4bit"] or "the 16-bit checkpoint quantized on load"
+    return (f"Unsloth loads {up['loads']} for {name} with load_in_4bit=True: its dynamic 4-bit upload, which "
+            f"keeps some modules in 16 bits (not read offline, not counted; Unsloth states under 10 % more memory "
+            f"than bitsandbytes 4-bit). The estimate counts plain NF4: {counted}, loaded with "
+            f"use_exact_model_name=True, as `vramplan emit` writes it")
 
 
 def model_note(name: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..estimator.corrections import DEFAULT_CORRECTIONS, Corrections
 from ..estimator.stack import DEFAULT_STACK, Stack
+from ..model.profiles import unsloth_checkpoint_note
 from ..setup.frameworks import with_framework_defaults
 from ..setup.inputs import resolve_gpu
 from ..specs import GpuSpec, ModelSpec, Note, Plan, SpecError
@@ -52,7 +53,19 @@ def plan(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int = 1, nod
                        global_batch=global_batch, tokens_per_step=tokens_per_step, dataset_tokens=dataset_tokens,
                        error_band=error_band, margin=margin, relax=relax, corrections=corrections,
                        host_ram_source=host_ram_source, details=details, stack=stack, **fixed)
+    if details:
+        chosen = unsloth_checkpoint_named(chosen, model)
     return chosen if stack.is_default else stack_named(chosen, stack)
+
+
+def unsloth_checkpoint_named(chosen: Plan, model: ModelSpec | str) -> Plan:
+    """``chosen`` with an ``estimate`` note when it is an Unsloth QLoRA plan of a model whose default 4-bit
+    checkpoint under Unsloth is a dynamic upload, which keeps modules in 16 bits the estimate does not count
+    (model/profiles.py ``unsloth_checkpoint_note``; the emitted unsloth.yaml loads the plain one)."""
+    if chosen.setup.framework != "unsloth" or chosen.setup.quant != "nf4":
+        return chosen
+    note = unsloth_checkpoint_note(model.name if isinstance(model, ModelSpec) else model)
+    return replace(chosen, notes=(*chosen.notes, Note(note, "estimate"))) if note else chosen
 
 
 def stack_named(chosen: Plan, stack: Stack) -> Plan:
