@@ -151,6 +151,8 @@ def test_a_bad_version_is_one_error_line(tmp_path: Path, argv):
     if argv[0] == "check":
         argv += ("--baseline", str(tmp_path / "b.json"))
     assert_user_error(run(*argv, "--transformers", "banana"), "--transformers", "not a version")
+    # 4.45's loss kept a shifted fp32 logits copy too, but no boundary was read below 4.46: no silent 5.x answer
+    assert_user_error(run(*argv, "--transformers", "4.45.2"), "--transformers", "older than any version", "4.46")
 
 
 def test_check_refuses_a_version_on_the_trace_tier(tmp_path: Path):

@@ -22,6 +22,11 @@ MODELLED_VERSIONS = {"transformers": "5", "torch": "2.13", "peft": "0.21", "acce
                      "bitsandbytes": "0.50", "deepspeed": "0.19", "flash-attn": "2.7"}
 
 
+#: the oldest transformers whose memory-relevant code the boundaries were read from (util/versions.py: the
+#: 4.46.0 wheel is the first read for the loss; below it a boundary's side is unknown, not "before")
+OLDEST_READ = (4, 46)
+
+
 def _version(text: str) -> tuple[int, ...]:
     """'4.48.1' -> (4, 48, 1); a leading number only ('5' -> (5,)); a non-version raises ValueError."""
     v = version_tuple(text)
@@ -173,9 +178,15 @@ def transformers_stack(version: str) -> Stack:
             raise ValueError("installed, but transformers is not installed here; give a version (4.48.1)")
         text = installed
     try:
-        return Stack(transformers=text)
+        stack = Stack(transformers=text)
     except ValueError:
         raise ValueError(f"{version!r} is not a version; write e.g. 4.48.1, 5 or installed") from None
+    if version_tuple(text) < OLDEST_READ:
+        oldest = ".".join(map(str, OLDEST_READ))
+        raise ValueError(f"transformers {text} is older than any version vramplan has read ({oldest}: what "
+                         f"changes memory before it, e.g. the causal-LM loss's logits copies, is not modelled); "
+                         f"give {oldest} or later")
+    return stack
 
 
 def model_under(model: ModelSpec, stack: Stack) -> ModelSpec:
