@@ -48,7 +48,7 @@ def test_the_cli_option_round_trips():
     assert "tiled_mlp" not in _json(r.output)["setup"]  # omitted at its default
 
 
-@pytest.mark.parametrize("framework", ["hf", "trl", "axolotl", "llamafactory", "torchtune"])
+@pytest.mark.parametrize("framework", ["hf", "trl", "llamafactory", "torchtune"])
 def test_tiled_mlp_elsewhere_is_refused_in_one_line(framework):
     with pytest.raises(SpecError, match="--tiled-mlp is modelled for Unsloth"):
         estimate(load_model("llama-3.2-1b"), Setup(framework=framework, method="lora", tiled_mlp=True))

@@ -106,8 +106,8 @@ _MORE_KNOBS = {
     "vllm_memory_fraction": "GRPO vLLM colocated share of the card  [default: 0.3]",
     "eval_batch": "Per-device eval batch of the run's evals, judged as its own phase  [default: 0: no eval]",
     "compile": "torchtune's compile: True, its compiled loss (--framework torchtune)  [default: no]",
-    "tiled_mlp": "Unsloth's unsloth_tiled_mlp=True, the MLP in sequence tiles (--framework unsloth)  "
-                 "[default: searched for unsloth, chosen only when the plain step does not fit]",
+    "tiled_mlp": "the MLP in sequence tiles: Unsloth's unsloth_tiled_mlp=True, axolotl's tiled_mlp  "
+                 "[default: searched for unsloth and axolotl, chosen only when the plain step does not fit]",
 }
 
 

@@ -181,8 +181,9 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "torch.compile as the framework applies it: torchtune's compile: True (its compiled loss; the "
                 "layers' recompute kept eager, an upper bound). Other frameworks: refused."),
     SetupOption("tiled_mlp", "--tiled-mlp/--no-tiled-mlp", None,
-                "Unsloth's unsloth_tiled_mlp=True: the MLP run in sequence tiles of hidden-size tokens (less "
-                "memory at long context, one more MLP forward per layer; --framework unsloth)."),
+                "The MLP run in sequence tiles: Unsloth's unsloth_tiled_mlp=True (tiles of hidden-size tokens) or "
+                "axolotl's tiled_mlp (a shard per 32,768 tokens): less memory at long context, one more MLP "
+                "forward per layer; --framework unsloth or axolotl."),
     SetupOption("eval_batch", "--eval-batch", Count("eval_batch", minimum=0),
                 "Per-device eval batch when the run evaluates (0: no eval step)."),
     SetupOption("device_map", "--device-map", click.Choice(DEVICE_MAPS),

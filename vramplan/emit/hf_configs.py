@@ -22,7 +22,9 @@ MAPPED = frozenset({"method", "lora_rank", "lora_alpha", "lora_dropout", "lora_t
                     "quant_bits", "quant_group_size", "precision", "optimizer", "checkpointing", "attn", "batch",
                     "seq", "grad_accum", "zero_stage", "offload_optimizer", "offload_params", "gpus", "loss",
                     "pad_mask", "fsdp", "liger", "dora", "modules_to_save", "optimizer_in_backward",
-                    "padding_free", "activation_offload", "fsdp_version", "framework"})
+                    "padding_free", "activation_offload", "fsdp_version", "framework",
+                    # axolotl's tiled_mlp only (setup/checks.py refuses it under any other framework a writer writes)
+                    "tiled_mlp", "tiled_mlp_shards"})
 
 #: Setup field -> the config keys that carry it, per format (``plan --from FILE --emit`` rewrites
 #: these keys of the user's file for each field the plan changes; a dotted key is nested)
@@ -41,6 +43,7 @@ FIELD_KEYS = {
                   "liger_fused_linear_cross_entropy"),
         "dora": ("peft_use_dora",), "modules_to_save": ("lora_modules_to_save",), "padding_free": ("sample_packing",),
         "activation_offload": ("activation_offloading",),
+        "tiled_mlp": ("tiled_mlp", "tiled_mlp_use_original_mlp"), "tiled_mlp_shards": ("tiled_mlp_num_shards",),
     },
     "llamafactory": {
         "method": ("finetuning_type", "quantization_bit"), "quant": ("quantization_bit", "quantization_type"),
@@ -186,6 +189,10 @@ def axolotl_config(s: Setup, model: ModelSpec, *, model_id: str, nodes: int = 1)
         cfg["attn_implementation"] = _ATTN_IMPL[s.attn]
     if s.activation_offload:  # true: TRL's OffloadActivations (legacy/disk/hidden_states are axolotl's own)
         cfg["activation_offloading"] = True
+    if s.tiled_mlp:  # monkeypatch/tiled_mlp (estimator/tiled_mlp.py); the model's own MLP per shard, written out:
+        cfg.update(tiled_mlp=True, tiled_mlp_use_original_mlp=True)  # the Liger plugin's check reads the raw key
+        if s.tiled_mlp_shards:
+            cfg["tiled_mlp_num_shards"] = s.tiled_mlp_shards
     if s.liger:  # axolotl/integrations/liger: the norm, the gated MLP and the fused loss (RoPE saves nothing)
         cfg.update(plugins=["axolotl.integrations.liger.LigerPlugin"], liger_rope=True, liger_rms_norm=True,
                    liger_glu_activation=True, liger_fused_linear_cross_entropy=True)

@@ -49,10 +49,6 @@ _UNMODELLED = {
     "tensor_parallel_size": "tensor parallelism is not modelled",
     "context_parallel_size": "context parallelism is not modelled",
     "sequence_parallel_degree": "sequence parallelism is not modelled",
-    # src/axolotl/monkeypatch/tiled_mlp/patch.py (0.18.0): ceil(seq / 32768) shards unless tiled_mlp_num_shards
-    "tiled_mlp": "axolotl's TiledMLP (ceil(sequence_len / 32768) shards unless tiled_mlp_num_shards; one shard, "
-                 "the same activations under checkpointing, below 32,768 tokens) is not modelled: the untiled MLP "
-                 "assumed (--tiled-mlp models Unsloth's)",
     # src/axolotl/loaders/model.py _set_device_map_config: with max_memory (or gpu_memory_limit, each GPU
     # capped and a 256GiB CPU budget) axolotl builds its own device_map with accelerate's
     # infer_auto_device_map(dtype=torch_dtype): no no-split decoder layers, no quantizer sizes, no
@@ -115,6 +111,7 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
         read_fsdp(f.raw("fsdp", "full_shard"), f.sub("fsdp_config"), m, "fsdp_config")
         if f.int("fsdp_version", None) == 2:  # FSDP2 (fully_shard): estimator/fsdp2.py
             m.setup["fsdp_version"] = 2
+    _tiled_mlp(f, m)
     liger = _liger(data, f.names("plugins", ()), m)
     for key in sorted(data):
         if key.startswith("liger_") and data[key] and not liger:
@@ -126,6 +123,27 @@ def read_axolotl(data: dict, path: Path, m: Mapped) -> None:
     for plugin in plugins:
         if "liger" not in plugin.lower():
             m.ignore("plugins", plugin, "axolotl plugins are not modelled")
+
+
+def _tiled_mlp(f: Fields, m: Mapped) -> None:
+    """``tiled_mlp: true`` (axolotl/monkeypatch/tiled_mlp, 0.18.0): the MLP in shards of the sequence,
+    ``tiled_mlp_num_shards`` of them or one per 32,768 tokens (estimator/tiled_mlp.py), with adapters on one GPU;
+    full fine-tuning and DeepSpeed/FSDP runs keep the untiled MLP, said so (an upper bound)."""
+    shards = f.int("tiled_mlp_num_shards", None)
+    if not f.bool("tiled_mlp", False):
+        if shards:
+            m.ignore("tiled_mlp_num_shards", shards, "tiled_mlp is off")
+        return
+    if m.setup.get("method") == "full" or f.has("deepspeed") or f.has("fsdp_config"):
+        m.ignore("tiled_mlp", True, "axolotl's tiled MLP with full fine-tuning or DeepSpeed/FSDP (its gradient "
+                 "accumulators, DeepSpeed's TiledMLP) is not modelled: the untiled MLP assumed, an upper bound")
+        return
+    m.setup["tiled_mlp"] = True
+    if shards:
+        m.setup["tiled_mlp_shards"] = shards
+    if not f.bool("tiled_mlp_use_original_mlp", True):
+        m.ignore("tiled_mlp_use_original_mlp", False, "axolotl's torch.compile'd generic MLP is not modelled: "
+                 "the model's own MLP assumed in each shard")
 
 
 def _rl(f: Fields, m: Mapped) -> None:

@@ -35,7 +35,7 @@ KEPT = ("method", "quant", "double_quant", "quant_bits", "quant_group_size", "lo
         "lora_dropout", "lora_targets", "precision", "loss", "optimizer", "attn", "dora", "modules_to_save",
         "padding_free", "liger", "objective", "max_prompt_length", "max_completion_length", "num_generations",
         "ref_model", "generation", "vllm_memory_fraction", "eval_batch", "framework", "compile",
-        "tiled_mlp")
+        "tiled_mlp", "tiled_mlp_shards")
 
 _ADAPTER_KNOBS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "dora", "modules_to_save")
 _OBJECTIVE_KNOBS = ("objective", "max_prompt_length", "max_completion_length", "num_generations", "ref_model",
@@ -87,8 +87,10 @@ def kept_knobs(setup: Setup) -> dict[str, Any]:
         kept["padding_free"] = True
     if setup.compile:  # torchtune's compile: True (its compiled loss) is kept; a file without it may get it as
         kept["compile"] = True  # a memory saver (search/space.py)
-    if setup.tiled_mlp:  # Unsloth's unsloth_tiled_mlp=True is kept; a file without it may get it as a memory
-        kept["tiled_mlp"] = True  # saver (search/space.py)
+    if setup.tiled_mlp:  # Unsloth's unsloth_tiled_mlp=True, axolotl's tiled_mlp (with its shard count) are kept;
+        kept["tiled_mlp"] = True  # a file without it may get it as a memory saver (search/space.py)
+        if setup.tiled_mlp_shards:
+            kept["tiled_mlp_shards"] = setup.tiled_mlp_shards
     if setup.liger:  # a file that runs Liger keeps it; one without it may get it as a memory saver
         kept["liger"] = True
     # the framework that runs the file (its preparation: setup/frameworks.py), the HF recipe included: a plan

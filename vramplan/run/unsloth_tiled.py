@@ -10,6 +10,7 @@ function, the tile sizes and ``patch_tiled_mlp`` are Unsloth's code as the wheel
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -19,7 +20,7 @@ import types
 import zipfile
 from pathlib import Path
 
-__all__ = ["ENV", "VERSION", "find_source", "load", "patch"]
+__all__ = ["ENV", "VERSION", "find_source", "installed_modules", "load", "patch"]
 
 #: a wheel (``unsloth_zoo-2026.8.13-py3-none-any.whl``) or a directory holding ``unsloth_zoo/tiled_mlp.py``
 ENV = "VRAMPLAN_UNSLOTH_ZOO"
@@ -72,19 +73,26 @@ def load(source: Path | None = None) -> types.ModuleType:
     shims["unsloth_zoo"].__path__ = []
     shims["unsloth_zoo.gradient_checkpointing"].set_device_states = checkpoint.set_device_states
     shims["unsloth_zoo.device_type"].DEVICE_TYPE = "cpu"
-    before = {name: sys.modules.get(name) for name in shims}
-    sys.modules.update(shims)
-    try:
+    with installed_modules(shims):
         spec = importlib.util.spec_from_file_location("unsloth_zoo.tiled_mlp", source)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def installed_modules(modules: dict[str, types.ModuleType]):
+    """``modules`` in ``sys.modules`` within (a wheel's file imports them), what was there before restored after."""
+    before = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
     finally:
         for name, old in before.items():
             if old is None:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = old
-    return module
 
 
 def patch(model, module: types.ModuleType | None = None):

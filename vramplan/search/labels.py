@@ -67,7 +67,7 @@ def savers_text(setup: Setup) -> str:
         parts.append("Liger kernels")
     if setup.compile:  # torchtune's compile: True (its compiled loss: estimator/torchtune.py)
         parts.append("torch.compile")
-    if setup.tiled_mlp:  # Unsloth's unsloth_tiled_mlp=True (estimator/tiled_mlp.py)
+    if setup.tiled_mlp:  # Unsloth's unsloth_tiled_mlp=True, axolotl's tiled_mlp (estimator/tiled_mlp.py)
         parts.append("tiled MLP")
     if setup.activation_offload:  # TRL's OffloadActivations (estimator/act_offload.py)
         parts.append("activation offload to host RAM")

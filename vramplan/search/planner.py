@@ -91,6 +91,8 @@ def _plan_any(model: ModelSpec | str, gpu: GpuSpec | str | int, *, gpus: int, no
                                 corrections=corrections, host_ram_source=host_ram_source, details=details,
                                 stack=stack),
                         {k: v for k, v in fixed.items() if k != "framework"})
+    if fixed.get("tiled_mlp_shards"):  # axolotl's shard count is of its tiled MLP: fixing it fixes that
+        fixed = {**fixed, "tiled_mlp": True}
     user_fixed = fixed
     if "framework" in fixed:  # the framework's own defaults for what is not fixed (TRL's and Unsloth's loss)
         fixed = with_framework_defaults(fixed, given=tuple(fixed))

@@ -69,9 +69,9 @@ FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", 
            # torch.compile as the framework applies it (torchtune's compiled loss): searched as a saver for
            # torchtune (:meth:`Space._savers`), a fixed one kept
            "compile",
-           # Unsloth's unsloth_tiled_mlp=True (the MLP in sequence tiles): searched as a saver for unsloth
-           # (:meth:`Space._savers`), a fixed one kept
-           "tiled_mlp",
+           # Unsloth's unsloth_tiled_mlp=True, axolotl's tiled_mlp (the MLP in sequence tiles): searched as a saver
+           # for those two (:meth:`Space._savers`), a fixed one kept; axolotl's shard count only fixed
+           "tiled_mlp", "tiled_mlp_shards",
            # searched where legal (:meth:`Space.in_backward_choices`); a fixed one is kept
            "optimizer_in_backward",
            # quality choices of the adapters (estimator/knobs.py): fixed, never searched
@@ -221,8 +221,9 @@ class Space:
         ligers = self.choices("liger", (False, True) if liger_applies(self.model, family) else (False,))
         # torchtune's compile: True: its compiled loss saves memory (estimator/torchtune.py), searched as a saver
         compiles = self.choices("compile", (False, True) if family.framework == "torchtune" else (False,))
-        # Unsloth's unsloth_tiled_mlp=True: the MLP's activations of one tile (estimator/tiled_mlp.py), a saver
-        tileds = self.choices("tiled_mlp", (False, True) if family.framework == "unsloth"
+        # Unsloth's unsloth_tiled_mlp=True, axolotl's tiled_mlp: the MLP's activations of one tile
+        # (estimator/tiled_mlp.py), a saver
+        tileds = self.choices("tiled_mlp", (False, True) if family.framework in ("unsloth", "axolotl")
                               and tiled_mlp_applies(self.model) else (False,))
         objective = self.objective_knobs(family)
         out = []

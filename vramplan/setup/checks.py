@@ -183,10 +183,7 @@ def check_framework(setup: Setup) -> None:
         raise SpecError("--compile is modelled for torchtune's compile: True (its compiled cross-entropy, "
                         "--framework torchtune); torch.compile elsewhere (the Trainer's torch_compile, axolotl's, "
                         "LLaMA-Factory's) is not: estimate without it, an upper bound")
-    if setup.tiled_mlp and setup.framework != "unsloth":
-        raise SpecError("--tiled-mlp is modelled for Unsloth's unsloth_tiled_mlp=True (--framework unsloth); "
-                        "axolotl's tiled_mlp cuts a sequence into 32768-token shards by default (none below that "
-                        "length) and is not modelled")
+    check_tiled_mlp(setup)
     if setup.framework == "hf":
         return
     fw = framework(setup.framework)
@@ -275,6 +272,26 @@ def check_trl_loss(setup: Setup) -> None:
     if setup.objective == "sft" and setup.loss == "trl" and setup.precision.endswith("-mixed"):
         raise SpecError("--loss trl is modelled with 16-bit or fp32 weights without autocast (TRL loads the model "
                         "in its checkpoint's dtype); use --precision bf16")
+
+
+def check_tiled_mlp(setup: Setup) -> None:
+    """``--tiled-mlp`` is modelled for Unsloth's ``unsloth_tiled_mlp=True`` and for axolotl's ``tiled_mlp: true``
+    with adapters on one GPU (estimator/tiled_mlp.py); its shard count is axolotl's."""
+    if setup.tiled_mlp_shards and (not setup.tiled_mlp or setup.framework != "axolotl"):
+        raise SpecError("tiled_mlp_shards is axolotl's tiled_mlp_num_shards: it goes with --tiled-mlp and "
+                        "--framework axolotl (Unsloth's tiles are hidden_size tokens)")
+    if not setup.tiled_mlp or setup.framework == "unsloth":
+        return
+    if setup.framework != "axolotl":
+        raise SpecError("--tiled-mlp is modelled for Unsloth's unsloth_tiled_mlp=True (--framework unsloth) and "
+                        "axolotl's tiled_mlp (--framework axolotl); no other framework tiles the MLP")
+    if not setup.adapters:  # axolotl/monkeypatch/tiled_mlp/base.py TiledMLP.backward
+        raise SpecError("--tiled-mlp with --framework axolotl and full fine-tuning: its tiled backward keeps a "
+                        "gradient accumulator per MLP weight (zeros_like) beside each shard's gradient, not "
+                        "modelled; LoRA and QLoRA only")
+    if setup.gpus > 1:
+        raise SpecError("--tiled-mlp with --framework axolotl on several GPUs (DeepSpeed's TiledMLP, FSDP2's "
+                        "deferred reshard) is not modelled; one GPU only")
 
 
 def tiled_mlp_applies(model: ModelSpec) -> bool:

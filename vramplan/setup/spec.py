@@ -57,7 +57,7 @@ PP_MODELLED_SCHEDULES = ("gpipe", "1f1b")
 #: Fields ``Setup.to_dict`` leaves out at their defaults (``from_dict`` restores them): the pipeline's
 #: and expert parallelism's, torch.compile's and the tiled MLP's, added after the committed records and baselines
 #: were written
-OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep", "compile", "tiled_mlp")
+OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep", "compile", "tiled_mlp", "tiled_mlp_shards")
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,11 @@ class Setup:
     #: ``torch.compile`` as the framework applies it: modelled for torchtune's ``compile: True`` (its
     #: compiled cross-entropy, estimator/torchtune.py); refused elsewhere (setup/checks.py)
     compile: bool = False
-    #: the MLP run in sequence tiles (Unsloth's ``unsloth_tiled_mlp=True``, unsloth_zoo/tiled_mlp.py ``TiledMLP``):
-    #: modelled for Unsloth (estimator/tiled_mlp.py); refused elsewhere (setup/checks.py)
+    #: the MLP run in sequence tiles (Unsloth's ``unsloth_tiled_mlp=True``, axolotl's ``tiled_mlp: true``):
+    #: modelled for those two (estimator/tiled_mlp.py); refused elsewhere (setup/checks.py)
     tiled_mlp: bool = False
+    #: axolotl's ``tiled_mlp_num_shards`` (0: its default, a shard per 32,768 tokens)
+    tiled_mlp_shards: int = 0
     # ---- model parallelism ----------------------------------------------------------------------
     #: layers split over ``gpus`` GPUs of one process (accelerate ``device_map``)
     device_map: str = "none"
@@ -185,6 +187,8 @@ class Setup:
             check_positive("lora_alpha", self.lora_alpha)
         if not 0.0 <= self.lora_dropout < 1.0:
             raise SpecError(f"lora_dropout must be in [0, 1); got {self.lora_dropout!r}")
+        if type(self.tiled_mlp_shards) is not int or self.tiled_mlp_shards < 0:
+            raise SpecError(f"tiled_mlp_shards must be a whole number (0: the default); got {self.tiled_mlp_shards!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise SpecError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.method == "qlora" and self.quant == "none":

@@ -46,7 +46,7 @@ def describe(setup: Setup) -> str:
     if setup.compile:
         parts.append("torch.compile")
     if setup.tiled_mlp:
-        parts.append("tiled MLP")
+        parts.append(f"tiled MLP ({setup.tiled_mlp_shards} shards)" if setup.tiled_mlp_shards else "tiled MLP")
     if setup.activation_offload:
         parts.append("activation offload")
     if setup.padding_free:

@@ -351,7 +351,7 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
         from ..truths.torchtune_truth import torchtune_rows
 
         rows += torchtune_rows(quick, Row)
-    if "tiled_mlp" in wanted:  # Unsloth's own TiledMLP in transformers' layer (the unsloth-zoo wheel's file)
+    if "tiled_mlp" in wanted:  # Unsloth's and axolotl's own TiledMLP in transformers' layer (their wheels' files)
         from ..truths.tiled_truth import tiled_rows
 
         rows += tiled_rows(quick, Row)
