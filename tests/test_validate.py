@@ -40,16 +40,19 @@ def test_quick_matrix_holds_the_bar(quick_json):
     # ep-2: transformers' ep_plan (AllToAllEP) beside tp == ep on 2 gloo ranks (truths/ep_truth.py)
     # (torchtune-cpu: torchtune's real step, where VRAMPLAN_TORCHTUNE_PYTHON names a Python that imports it)
     # (unsloth-tiled-cpu: Unsloth's own TiledMLP, where VRAMPLAN_UNSLOTH_ZOO names the unsloth-zoo wheel;
-    # axolotl-tiled-cpu: axolotl's, where VRAMPLAN_AXOLOTL_WHEEL names its wheel)
+    # axolotl-tiled-cpu: axolotl's, where VRAMPLAN_AXOLOTL_WHEEL names its wheel; llamafactory-gc-cpu: LLaMA-Factory's
+    # use_unsloth_gc, where VRAMPLAN_LLAMAFACTORY_WHEEL names its wheel)
+    from vramplan.run import llamafactory_gc
     from vramplan.run.axolotl_tiled import find_wheel
     from vramplan.run.unsloth_tiled import find_source
 
     truths = {r["truth"] for r in rows}
-    assert truths - {"torchtune-cpu", "unsloth-tiled-cpu", "axolotl-tiled-cpu"} == {
+    assert truths - {"torchtune-cpu", "unsloth-tiled-cpu", "axolotl-tiled-cpu", "llamafactory-gc-cpu"} == {
         "trace", "cpu-run", "trl-trace", "trl-cpu", "placement", "tp-2", "fsdp2-2", "tp-fsdp2-4", "hsdp2-4", "cp-2",
         "pp-2", "ep-2"}
     assert ("unsloth-tiled-cpu" in truths) == (find_source() is not None)
     assert ("axolotl-tiled-cpu" in truths) == (find_wheel() is not None)
+    assert ("llamafactory-gc-cpu" in truths) == (llamafactory_gc.find_wheel() is not None)
     bad = [(r["knob"], r["setup_text"], r["quantity"], r["error"]) for r in rows if abs(r["error"]) > 0.05]
     assert not bad, bad
     canonical = [r for r in rows if r["knob"] == "canonical" and r["quantity"] == "tensor_peak_bytes"]

@@ -108,6 +108,8 @@ _MORE_KNOBS = {
     "compile": "torchtune's compile: True, its compiled loss (--framework torchtune)  [default: no]",
     "tiled_mlp": "the MLP in sequence tiles: Unsloth's unsloth_tiled_mlp=True, axolotl's tiled_mlp  "
                  "[default: searched for unsloth and axolotl, chosen only when the plain step does not fit]",
+    "unsloth_gc": "LLaMA-Factory's use_unsloth_gc, the checkpointed layer inputs in host RAM  "
+                  "[default: searched for llamafactory]",
 }
 
 

@@ -184,6 +184,9 @@ SETUP_OPTIONS: tuple[SetupOption, ...] = (
                 "The MLP run in sequence tiles: Unsloth's unsloth_tiled_mlp=True (tiles of hidden-size tokens) or "
                 "axolotl's tiled_mlp (a shard per 32,768 tokens): less memory at long context, one more MLP "
                 "forward per layer; --framework unsloth or axolotl."),
+    SetupOption("unsloth_gc", "--unsloth-gc/--no-unsloth-gc", None,
+                "LLaMA-Factory's use_unsloth_gc: the checkpointed layer inputs kept in host RAM (copied out in the "
+                "forward, back for each layer's backward; --framework llamafactory with --checkpointing)."),
     SetupOption("eval_batch", "--eval-batch", Count("eval_batch", minimum=0),
                 "Per-device eval batch when the run evaluates (0: no eval step)."),
     SetupOption("device_map", "--device-map", click.Choice(DEVICE_MAPS),

@@ -56,6 +56,7 @@ from ..estimator.layer_split_memory import copy_bytes_per_micro_step as split_co
 from ..estimator.precision import compute_bytes
 from ..estimator.selective import checkpointed_count
 from ..estimator.tensor_parallel import link_bytes_per_micro_step as tp_link_bytes
+from ..estimator.unsloth import llamafactory_gc_copy_bytes
 from ..specs import GpuSpec, ModelSpec, Setup
 from ..util.units import DTYPE_BYTES, PRECISION_WEIGHT_DTYPE
 from .constants import (  # noqa: F401  (re-exported: vramplan.cost.model is the public API)
@@ -469,7 +470,8 @@ def step_cost(model: ModelSpec, setup: Setup, gpu: GpuSpec | None = None, nodes:
         dequant_s=dequant,
         optimizer_s=optimizer_update_s(setup, gpu, nodes, k),
         offload_s=ga * (param_offload_s_per_micro_step(setup, gpu, nodes, k)  # + activation offloading's copies
-                        + act_offload_bytes(model, setup) / host_link(gpu)),
+                        + (act_offload_bytes(model, setup) + llamafactory_gc_copy_bytes(model, setup))
+                        / host_link(gpu)),  # (and LLaMA-Factory's use_unsloth_gc's)
         comm_s=u["shard_comm"] * constants["shard_comm_exposure"] + (ga * micro + step) * (1.0 - COMM_OVERLAP)
         + ga * split_copy_bytes(model, setup) / ring_bandwidth(gpu, 1)  # a layer split's copies: not overlapped
         + ga * tp_link_bytes(model, setup, gpu) / ring_bandwidth(gpu, tp_nodes(setup, nodes)),  # TP's: not overlapped

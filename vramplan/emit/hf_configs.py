@@ -23,8 +23,9 @@ MAPPED = frozenset({"method", "lora_rank", "lora_alpha", "lora_dropout", "lora_t
                     "seq", "grad_accum", "zero_stage", "offload_optimizer", "offload_params", "gpus", "loss",
                     "pad_mask", "fsdp", "liger", "dora", "modules_to_save", "optimizer_in_backward",
                     "padding_free", "activation_offload", "fsdp_version", "framework",
-                    # axolotl's tiled_mlp only (setup/checks.py refuses it under any other framework a writer writes)
-                    "tiled_mlp", "tiled_mlp_shards"})
+                    # axolotl's tiled_mlp, LLaMA-Factory's use_unsloth_gc only (setup/checks.py refuses them under any
+                    # other framework a writer writes)
+                    "tiled_mlp", "tiled_mlp_shards", "unsloth_gc"})
 
 #: Setup field -> the config keys that carry it, per format (``plan --from FILE --emit`` rewrites
 #: these keys of the user's file for each field the plan changes; a dotted key is nested)
@@ -55,7 +56,7 @@ FIELD_KEYS = {
         "offload_optimizer": ("deepspeed",), "offload_params": ("deepspeed",), "liger": ("enable_liger_kernel",),
         "fsdp": ("fsdp", "fsdp_config"),  # FSDP is the accelerate file's: an inline one is commented out
         "fsdp_version": ("fsdp", "fsdp_config"),
-        "dora": ("use_dora",), "modules_to_save": ("additional_target",),
+        "dora": ("use_dora",), "modules_to_save": ("additional_target",), "unsloth_gc": ("use_unsloth_gc",),
     },
     "trl": {
         "method": ("use_peft", "load_in_4bit", "load_in_8bit"), "quant": ("load_in_4bit", "load_in_8bit",
@@ -235,6 +236,8 @@ def llamafactory_config(s: Setup, model: ModelSpec, *, model_id: str, nodes: int
                flash_attn=_LF_ATTN[s.attn], optim=TRAINER_OPTIM[s.optimizer])
     if s.liger:  # model/model_utils/liger_kernel.py, with its fused loss at stage sft
         cfg["enable_liger_kernel"] = True
+    if s.unsloth_gc:  # model/model_utils/checkpointing.py UnslothGradientCheckpointing (estimator/unsloth.py)
+        cfg["use_unsloth_gc"] = True
     if s.zero_stage:
         cfg["deepspeed"] = DS_CONFIG
     return cfg

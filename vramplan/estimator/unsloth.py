@@ -58,6 +58,7 @@ from .precision import compute_bytes
 from .tiled_mlp import tile_tokens
 
 __all__ = ["CE_TARGET_CAP_BYTES", "LOSS_NOTE", "OFFLOAD_MIN_SEQ", "checkpoint_note", "chunks", "components",
+           "llamafactory_gc", "llamafactory_gc_copy_bytes",
            "dequantization_buffer_bytes", "device_checkpoint_bytes", "fast_path", "host_bytes", "loss_transients",
            "offloads", "tiled_recompute_bytes",
            "on_card", "overhead_note", "recompute_bytes", "unsloth"]
@@ -85,9 +86,22 @@ def fast_path(model: ModelSpec, setup: Setup) -> bool:
 
 
 def offloads(model: ModelSpec, setup: Setup) -> bool:
-    """Unsloth's checkpointing copies the layer inputs to the host (long enough, large enough)."""
-    return (unsloth(setup) and setup.checkpointing and setup.seq >= OFFLOAD_MIN_SEQ
-            and setup.tokens * model.hidden_size * compute_bytes(setup) > MINIMUM_OFFLOAD_BYTES)
+    """Unsloth's checkpointing copies the layer inputs to the host (long enough, large enough); so does
+    LLaMA-Factory's ``use_unsloth_gc`` (:func:`llamafactory_gc`), always."""
+    return llamafactory_gc(setup) or (
+        unsloth(setup) and setup.checkpointing and setup.seq >= OFFLOAD_MIN_SEQ
+        and setup.tokens * model.hidden_size * compute_bytes(setup) > MINIMUM_OFFLOAD_BYTES)
+
+
+def llamafactory_gc(setup: Setup) -> bool:
+    """LLaMA-Factory's ``use_unsloth_gc`` (0.9.5 ``model/model_utils/checkpointing.py``
+    ``UnslothGradientCheckpointing``, its copy of Unsloth's 2024 checkpointer): each checkpointed layer's
+    input goes to the host (``hidden_states.to("cpu", non_blocking=True)``, pageable), the last one too; the
+    backward copies it back (``.to("cuda")``), recomputes the layer and back-propagates it, one layer at a
+    time. On the device no persistent buffer: at the backward's peak two layer inputs' worth, read off the CPU
+    truth (vramplan/truths/lf_gc_truth.py: one input fewer than that left the saving 15 % too large), the
+    reloaded input and the input gradient the function returns beside it."""
+    return setup.unsloth_gc and setup.checkpointing
 
 
 def _input_bytes(model: ModelSpec, setup: Setup) -> int:
@@ -99,12 +113,23 @@ def device_checkpoint_bytes(model: ModelSpec, setup: Setup, kept_per_layer: floa
     the two reload buffers; else every layer's."""
     if not offloads(model, setup):
         return int(layers * kept_per_layer)
+    if llamafactory_gc(setup):  # two layer inputs' worth at the backward's peak (:func:`llamafactory_gc`)
+        return int(2 * kept_per_layer)
     return int(kept_per_layer + 2 * _input_bytes(model, setup))
 
 
+def llamafactory_gc_copy_bytes(model: ModelSpec, setup: Setup) -> int:
+    """Bytes LLaMA-Factory's ``use_unsloth_gc`` copies between host and device per micro-step: every layer input
+    out and back. ``non_blocking=True`` into pageable memory: the copies wait, none overlaps the compute."""
+    return 2 * model.num_layers * _input_bytes(model, setup) if llamafactory_gc(setup) else 0
+
+
 def host_bytes(model: ModelSpec, setup: Setup) -> int:
-    """The pinned host copies of every checkpointed layer's input but the last."""
-    return (model.num_layers - 1) * _input_bytes(model, setup) if offloads(model, setup) else 0
+    """The pinned host copies of every checkpointed layer's input but the last (LLaMA-Factory's
+    ``use_unsloth_gc``: pageable copies of every layer's)."""
+    if not offloads(model, setup):
+        return 0
+    return (model.num_layers - (0 if llamafactory_gc(setup) else 1)) * _input_bytes(model, setup)
 
 
 def chunks(model: ModelSpec, setup: Setup, free_bytes: int | None = None) -> int:
@@ -192,6 +217,8 @@ LOSS_NOTE = "Unsloth's fused cross-entropy: one chunk's logits and their gradien
 
 def checkpoint_note(setup: Setup) -> str:
     """The checkpointed inputs' note under Unsloth's offloaded checkpointing ("" otherwise)."""
+    if llamafactory_gc(setup):
+        return ": two layer inputs' worth, the one reloaded for its backward (LLaMA-Factory's use_unsloth_gc)"
     return ": the last layer's and two reload buffers (Unsloth's offloaded checkpointing)" if (
         unsloth(setup) and setup.checkpointing) else ""
 
@@ -203,6 +230,8 @@ def components(model: ModelSpec, setup: Setup) -> tuple[Component, ...]:
         comps.append(Component("dequantization_buffer", dequantization_buffer_bytes(model, setup), PHASES,
                                note="Unsloth's fast_dequantize global buffer: the largest weight, 16-bit"))
     if host_bytes(model, setup):
+        note = ("LLaMA-Factory's use_unsloth_gc: the layer inputs copied to host RAM" if llamafactory_gc(setup)
+                else "Unsloth's pinned copies of the layer inputs")
         comps.append(Component("checkpoint_offload_host", host_bytes(model, setup), ("forward", "backward"),
-                               where="host", note="Unsloth's pinned copies of the layer inputs"))
+                               where="host", note=note))
     return tuple(comps)

@@ -30,7 +30,6 @@ __all__ = ["read_llamafactory"]
 _ATTN = {"auto": "auto", "disabled": "eager", "sdpa": "sdpa", "fa2": "flash", "fa3": "flash"}
 
 _UNMODELLED = {
-    "use_unsloth_gc": "unsloth's offloaded checkpointing is not modelled: checkpoints stay on the GPU",
     "use_unsloth": "unsloth's kernels are not modelled",
     "upcast_lmhead_output": "an fp32 lm_head output is not modelled beyond the HF loss's fp32 upcast",
     "upcast_layernorm": "fp32 layernorm weights are not modelled",
@@ -52,6 +51,11 @@ def read_llamafactory(data: dict, path: Path, m: Mapped) -> None:
     m.model = f.str("model_name_or_path")
     amp = training_arguments(f, path, m, trl=False)
     s["checkpointing"] = not f.bool("disable_gradient_checkpointing", False)
+    if f.bool("use_unsloth_gc", False):  # model_utils/checkpointing.py: the layer inputs in host RAM
+        if s["checkpointing"]:
+            s["unsloth_gc"] = True
+        else:
+            m.ignore("use_unsloth_gc", True, "gradient checkpointing is off (disable_gradient_checkpointing)")
     s["seq"] = f.int("cutoff_len", 2048)
     stage = f.str("stage", "sft")
     if stage not in ("pt", "sft", "rm", "ppo", "dpo", "kto"):

@@ -71,6 +71,8 @@ def savers_text(setup: Setup) -> str:
         parts.append("tiled MLP")
     if setup.activation_offload:  # TRL's OffloadActivations (estimator/act_offload.py)
         parts.append("activation offload to host RAM")
+    if setup.unsloth_gc:  # LLaMA-Factory's use_unsloth_gc (estimator/unsloth.py llamafactory_gc)
+        parts.append("checkpoints in host RAM (use_unsloth_gc)")
     if setup.optimizer_in_backward:  # one optimizer per parameter, stepped in backward (estimator/knobs.py)
         parts.append("optimizer in backward")
     return ", ".join(parts + objective_parts(setup)) or "no memory savers"

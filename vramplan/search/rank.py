@@ -123,7 +123,8 @@ def order(c: Candidate) -> tuple:
     equal speed (one dependency fewer), rank, less memory. Liger is a GPU-resident saver: reached
     for before offload and before a lower tier."""
     return (-residency(c.setup), tier(c.setup), c.tokens_per_s, -int(c.setup.liger), -int(c.setup.compile),
-            -int(c.setup.tiled_mlp), c.setup.lora_rank if c.setup.adapters else 0, -c.device_total_bytes)
+            -int(c.setup.tiled_mlp), -int(c.setup.unsloth_gc), c.setup.lora_rank if c.setup.adapters else 0,
+            -c.device_total_bytes)
 
 
 def best_of_class(bests: Sequence[Candidate]) -> Candidate | None:

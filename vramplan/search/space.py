@@ -72,6 +72,9 @@ FIXABLE = ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", 
            # Unsloth's unsloth_tiled_mlp=True, axolotl's tiled_mlp (the MLP in sequence tiles): searched as a saver
            # for those two (:meth:`Space._savers`), a fixed one kept; axolotl's shard count only fixed
            "tiled_mlp", "tiled_mlp_shards",
+           # LLaMA-Factory's use_unsloth_gc (its checkpointed layer inputs in host RAM): searched for llamafactory
+           # (:meth:`Space.offload_choices`), a fixed one kept
+           "unsloth_gc",
            # searched where legal (:meth:`Space.in_backward_choices`); a fixed one is kept
            "optimizer_in_backward",
            # quality choices of the adapters (estimator/knobs.py): fixed, never searched
@@ -260,12 +263,16 @@ class Space:
 
     def offload_choices(self, s: Setup) -> list[Setup]:
         """``s`` without and with activation offloading (TRL's OffloadActivations), where it is
-        modelled (estimator/act_offload.py: full fine-tuning with checkpointing on one GPU)."""
+        modelled (estimator/act_offload.py: full fine-tuning with checkpointing on one GPU), and with
+        LLaMA-Factory's ``use_unsloth_gc`` (the checkpointed layer inputs in host RAM, estimator/unsloth.py)."""
         out = []
-        for off in self.choices("activation_offload", (False, True)):
+        gcs = (False, True) if s.framework == "llamafactory" and s.checkpointing else (False,)
+        for off, gc in itertools.product(self.choices("activation_offload", (False, True)),
+                                         self.choices("unsloth_gc", gcs)):
             try:
-                c = s.replace(activation_offload=off)
+                c = s.replace(activation_offload=off, unsloth_gc=gc)
                 check_activation_offload(self.model, c)
+                check_framework(c)
             except SpecError:
                 continue
             out.append(c)
@@ -455,18 +462,21 @@ def saving(s: Setup) -> tuple[int, ...]:
     (checkpointing every layer saves more than every k-th)."""
     return (int(s.checkpointing), -s.checkpoint_every, int(s.optimizer in ("adamw-8bit", "paged-adamw-8bit")),
             int(s.attn != "auto"), int(s.liger), int(s.activation_offload), int(s.optimizer_in_backward),
-            int(s.compile), int(s.tiled_mlp))
+            int(s.compile), int(s.tiled_mlp), int(s.unsloth_gc))
 
 
 def liger_applies(model: ModelSpec, family: Setup) -> bool:
     """Liger's kernels are a search choice where they are modelled: the families of
     estimator/liger.py, with transformers' loss on a 16/32-bit base (Liger's fused loss replaces it),
     or with TRL's head on a 16-bit, NF4/FP4 or LLM.int8 base (TRL keeps its head and applies the layer
-    kernels; validate --knob liger); not under Unsloth (its own kernels). The HF recipe's quantized
+    kernels; validate --knob liger), or under axolotl's and LLaMA-Factory's Liger plugins on any of those bases
+    (their rows of validate --knob liger); not under Unsloth (its own kernels). The HF recipe's quantized
     bases take ``--liger`` when asked (verified too) but its search leaves it out: where the HF recipe
     needs it to stay in VRAM the default plan turns to TRL, and a bigger card then never plans slower."""
     if model.family not in LIGER_FAMILIES or family.objective != "sft":  # DPO/GRPO: TRL's fused head
         return False
     if family.loss == "trl":
         return family.quant in ("none", "nf4", "fp4", "int8") and family.framework != "unsloth"
+    if family.framework in ("axolotl", "llamafactory"):  # named: no TRL plan to turn to; their Liger plugins on
+        return family.quant in ("none", "nf4", "fp4", "int8") and family.loss == "hf"  # quantized bases: verified
     return family.quant == "none" and family.loss == "hf"

@@ -184,6 +184,11 @@ def check_framework(setup: Setup) -> None:
                         "--framework torchtune); torch.compile elsewhere (the Trainer's torch_compile, axolotl's, "
                         "LLaMA-Factory's) is not: estimate without it, an upper bound")
     check_tiled_mlp(setup)
+    if setup.unsloth_gc and (setup.framework != "llamafactory" or not setup.checkpointing
+                             or setup.checkpoint_every > 1 or setup.activation_offload):
+        raise SpecError("--unsloth-gc is LLaMA-Factory's use_unsloth_gc (its checkpointed layer inputs in host "
+                        "RAM): it goes with --framework llamafactory and --checkpointing on every layer, without "
+                        "--activation-offload (Unsloth's own offloaded checkpointing is --framework unsloth)")
     if setup.framework == "hf":
         return
     fw = framework(setup.framework)

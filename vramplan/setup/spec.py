@@ -57,7 +57,7 @@ PP_MODELLED_SCHEDULES = ("gpipe", "1f1b")
 #: Fields ``Setup.to_dict`` leaves out at their defaults (``from_dict`` restores them): the pipeline's
 #: and expert parallelism's, torch.compile's and the tiled MLP's, added after the committed records and baselines
 #: were written
-OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep", "compile", "tiled_mlp", "tiled_mlp_shards")
+OMITTED_AT_DEFAULT = ("pp", "pp_schedule", "ep", "compile", "tiled_mlp", "tiled_mlp_shards", "unsloth_gc")
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,8 @@ class Setup:
     tiled_mlp: bool = False
     #: axolotl's ``tiled_mlp_num_shards`` (0: its default, a shard per 32,768 tokens)
     tiled_mlp_shards: int = 0
+    #: LLaMA-Factory's ``use_unsloth_gc``: checkpointed layer inputs kept in host RAM (estimator/unsloth.py)
+    unsloth_gc: bool = False
     # ---- model parallelism ----------------------------------------------------------------------
     #: layers split over ``gpus`` GPUs of one process (accelerate ``device_map``)
     device_map: str = "none"

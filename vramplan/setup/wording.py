@@ -49,6 +49,8 @@ def describe(setup: Setup) -> str:
         parts.append(f"tiled MLP ({setup.tiled_mlp_shards} shards)" if setup.tiled_mlp_shards else "tiled MLP")
     if setup.activation_offload:
         parts.append("activation offload")
+    if setup.unsloth_gc:
+        parts.append("checkpoints in host RAM (use_unsloth_gc)")
     if setup.padding_free:
         parts.append("padding-free")
     if setup.optimizer_in_backward:

@@ -38,7 +38,8 @@ CPU_SHRINK = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048}
 KNOBS = ("canonical", "quantization", "optimizer", "precision", "attention", "grad_accum", "checkpointing",
          "selective_checkpointing",
          "moe", "loss", "framework", "modules_to_save", "dora", "optimizer_in_backward", "activation_offload",
-         "liger", "padding_free", "tiled_mlp", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard", "ddp", "device_map",
+         "liger", "padding_free", "tiled_mlp", "unsloth_gc", "gptq_awq", "zero", "fsdp", "fsdp2", "hybrid_shard",
+         "ddp", "device_map",
          "tp", "cp", "pp", "ep",
          "device_overheads",
          "measured", "dpo", "orpo", "kto", "grpo", "eval")
@@ -355,6 +356,10 @@ def unverified_rows(quick: bool = False, knobs: tuple[str, ...] = (),
         from ..truths.tiled_truth import tiled_rows
 
         rows += tiled_rows(quick, Row)
+    if "unsloth_gc" in wanted:  # LLaMA-Factory's use_unsloth_gc, its own checkpointing file (its wheel's)
+        from ..truths.lf_gc_truth import gc_rows
+
+        rows += gc_rows(quick, Row)
     if "gptq_awq" in wanted:
         rows.append(_unverified("gptq_awq", Setup(method="lora", quant="gptq"),
                                 "modelled, estimate only (--quant gptq|awq): transformers 5 loads GPTQ/AWQ "
