@@ -12,17 +12,13 @@ shard count and, outside DeepSpeed, base.py's ``TiledMLP`` (patch.py imports Dee
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
-import os
 import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
 
-from .unsloth_tiled import installed_modules
+from .wheel_files import extracted, installed_modules, wheel_in
 
 __all__ = ["ENV", "VERSION", "find_wheel", "load", "patched"]
 
@@ -39,29 +35,14 @@ _PACKAGES = ("axolotl", "axolotl.utils", "axolotl.utils.callbacks", "axolotl.mon
 
 def find_wheel() -> Path | None:
     """The axolotl wheel :data:`ENV` names, if it holds the tiled-MLP files; None otherwise."""
-    given = os.environ.get(ENV)
-    if not given or not Path(given).is_file():
-        return None
-    return Path(given) if _extracted(str(Path(given).resolve())) is not None else None
-
-
-@functools.cache
-def _extracted(wheel_path: str) -> Path | None:
-    """The wheel's three files, unpacked once per process to a temporary directory."""
-    with zipfile.ZipFile(wheel_path) as wheel:
-        if not set(_FILES.values()) <= set(wheel.namelist()):
-            return None
-        out = Path(tempfile.mkdtemp(prefix="vramplan-axolotl-"))
-        for member in _FILES.values():
-            wheel.extract(member, out)
-        return out
+    return wheel_in(ENV, tuple(_FILES.values()))
 
 
 def load(wheel: Path | None = None) -> types.ModuleType:
     """axolotl's ``tiled_mlp.patch`` module, executed with its package imports answered (module docstring);
     FileNotFoundError without the wheel."""
     wheel = wheel or find_wheel()
-    root = _extracted(str(Path(wheel).resolve())) if wheel else None
+    root = extracted(str(Path(wheel).resolve()), tuple(_FILES.values())) if wheel else None
     if root is None:
         raise FileNotFoundError(f"no axolotl tiled-MLP files: set {ENV} to an axolotl {VERSION} wheel")
     shims = {name: types.ModuleType(name) for name in (*_PACKAGES, "axolotl.utils.logging", *_FILES)}

@@ -16,16 +16,12 @@ of a checkpointed layer (LLaMA-Factory pins transformers <= 5.8)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
-import os
-import tempfile
 import types
-import zipfile
 from pathlib import Path
 
-from .unsloth_tiled import installed_modules
+from .wheel_files import extracted, installed_modules, wheel_in
 
 __all__ = ["ENV", "VERSION", "bound_layer_calls", "device_copies", "find_wheel", "load"]
 
@@ -39,20 +35,8 @@ LAYERNORM_NAMES = {"norm", "ln"}
 
 
 def find_wheel() -> Path | None:
-    given = os.environ.get(ENV)
-    if not given or not Path(given).is_file():
-        return None
-    return Path(given) if _extracted(str(Path(given).resolve())) is not None else None
-
-
-@functools.cache
-def _extracted(wheel_path: str) -> Path | None:
-    with zipfile.ZipFile(wheel_path) as wheel:
-        if _MEMBER not in wheel.namelist():
-            return None
-        out = Path(tempfile.mkdtemp(prefix="vramplan-llamafactory-"))
-        wheel.extract(_MEMBER, out)
-        return out / _MEMBER
+    """The LLaMA-Factory wheel :data:`ENV` names, if it holds the checkpointing file; None otherwise."""
+    return wheel_in(ENV, (_MEMBER,))
 
 
 class _Logger(logging.LoggerAdapter):
@@ -70,7 +54,8 @@ class _Logger(logging.LoggerAdapter):
 def load(wheel: Path | None = None) -> types.ModuleType:
     """LLaMA-Factory's ``checkpointing`` module (module docstring); FileNotFoundError without the wheel."""
     wheel = wheel or find_wheel()
-    source = _extracted(str(Path(wheel).resolve())) if wheel else None
+    root = extracted(str(Path(wheel).resolve()), (_MEMBER,)) if wheel else None
+    source = root / _MEMBER if root is not None else None
     if source is None:
         raise FileNotFoundError(f"no {_MEMBER}: set {ENV} to a LLaMA-Factory {VERSION} wheel")
     names = ("llamafactory", "llamafactory.extras", "llamafactory.extras.logging", "llamafactory.extras.constants",

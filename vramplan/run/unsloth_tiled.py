@@ -10,17 +10,14 @@ function, the tile sizes and ``patch_tiled_mlp`` are Unsloth's code as the wheel
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import os
-import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
 
-__all__ = ["ENV", "VERSION", "find_source", "installed_modules", "load", "patch"]
+from .wheel_files import extracted, installed_modules
+
+__all__ = ["ENV", "VERSION", "find_source", "load", "patch"]
 
 #: a wheel (``unsloth_zoo-2026.8.13-py3-none-any.whl``) or a directory holding ``unsloth_zoo/tiled_mlp.py``
 ENV = "VRAMPLAN_UNSLOTH_ZOO"
@@ -49,15 +46,10 @@ def find_source() -> Path | None:
     return None
 
 
-@functools.cache
 def _extracted(wheel_path: str) -> Path | None:
     """The wheel's ``unsloth_zoo/tiled_mlp.py``, unpacked once per process to a temporary directory."""
-    with zipfile.ZipFile(wheel_path) as wheel:
-        if _MEMBER not in wheel.namelist():
-            return None
-        out = Path(tempfile.mkdtemp(prefix="vramplan-unsloth-zoo-"))
-        wheel.extract(_MEMBER, out)
-        return out / _MEMBER
+    root = extracted(wheel_path, (_MEMBER,))
+    return root / _MEMBER if root is not None else None
 
 
 def load(source: Path | None = None) -> types.ModuleType:
@@ -78,21 +70,6 @@ def load(source: Path | None = None) -> types.ModuleType:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return module
-
-
-@contextlib.contextmanager
-def installed_modules(modules: dict[str, types.ModuleType]):
-    """``modules`` in ``sys.modules`` within (a wheel's file imports them), what was there before restored after."""
-    before = {name: sys.modules.get(name) for name in modules}
-    sys.modules.update(modules)
-    try:
-        yield
-    finally:
-        for name, old in before.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def patch(model, module: types.ModuleType | None = None):

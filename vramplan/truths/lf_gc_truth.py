@@ -35,10 +35,10 @@ def run_step(config: dict, setup: Setup, module) -> tuple[int, int]:
 
     import torch
 
-    from ..run.cuda_paths import cuda_kernels
     from ..run.live import SplitCounter
     from ..run.llamafactory_gc import bound_layer_calls, device_copies
     from .cpu_truth import build_model
+    from .tiled_truth import counted_step
 
     torch.manual_seed(0)
     model = build_model(config, setup.replace(checkpointing=False, unsloth_gc=False, framework="hf"))
@@ -46,19 +46,7 @@ def run_step(config: dict, setup: Setup, module) -> tuple[int, int]:
                                  use_unsloth_gc=setup.unsloth_gc, upcast_lmhead_output=False)
     module.prepare_model_for_training(model.get_base_model(), args)  # (LLaMA-Factory patches the base model)
     assert bound_layer_calls(model) >= int(config["num_hidden_layers"])  # transformers 5.24's call form
-    counter = SplitCounter()
-    counter.track(model)
-    ids = torch.randint(0, int(config["vocab_size"]), (setup.batch, setup.seq),
-                        generator=torch.Generator().manual_seed(1))
-    counter.track([ids])
-    with cuda_kernels(), counter, device_copies(counter):
-        counter.start_measuring()
-        counter.phase("forward")
-        loss = model(input_ids=ids, labels=ids).loss
-        counter.phase("backward")
-        loss.backward()
-        del loss
-        counter.phase(None)
+    counter = counted_step(model, config, setup, SplitCounter(), device_copies)
     return counter.device_peak, counter.host_peak
 
 

@@ -17,7 +17,7 @@ import contextlib
 
 from ..specs import Setup
 
-__all__ = ["CASES", "QUICK", "estimate_tiled", "run_step", "tiled_rows"]
+__all__ = ["CASES", "QUICK", "counted_step", "estimate_tiled", "run_step", "tiled_rows"]
 
 #: (model, seq, batch, checkpointing): narrow (2 layers, hidden 256, vocab 512) Llama, Qwen2 and OLMo 2 steps
 CASES = (("llama-3.1-8b", 2048, 1, True), ("llama-3.1-8b", 4096, 2, True), ("llama-3.1-8b", 2048, 1, False),
@@ -65,28 +65,33 @@ def run_step(config: dict, setup: Setup, module=None) -> int:
             from ..run import axolotl_tiled
 
             stack.enter_context(axolotl_tiled.patched(config["model_type"], setup.tiled_mlp_shards or None, module))
-        return _counted_step(model, config, setup)
+        return counted_step(model, config, setup).peak_bytes
 
 
-def _counted_step(model, config: dict, setup: Setup) -> int:
+def counted_step(model, config: dict, setup: Setup, counter=None, within=None):
+    """One forward and backward of ``setup`` on random ids, counted live by ``counter`` (a LiveTensorCounter
+    unless given; a SplitCounter starts measuring at the forward), ``within(counter)`` entered around it when
+    given (a stand-in that needs the counter); the counter."""
     import torch
 
     from ..run.cuda_paths import cuda_kernels
     from ..run.live import LiveTensorCounter
 
-    counter = LiveTensorCounter(device="cpu")
+    counter = counter or LiveTensorCounter(device="cpu")
     counter.track(model)
     ids = torch.randint(0, int(config["vocab_size"]), (setup.batch, setup.seq),
                         generator=torch.Generator().manual_seed(1))
     counter.track([ids])
-    with cuda_kernels(), counter:
+    with cuda_kernels(), counter, (within(counter) if within else contextlib.nullcontext()):
+        if hasattr(counter, "start_measuring"):
+            counter.start_measuring()
         counter.phase("forward")
         loss = model(input_ids=ids, labels=ids).loss
         counter.phase("backward")
         loss.backward()
         del loss
         counter.phase(None)
-    return counter.peak_bytes
+    return counter
 
 
 def estimate_tiled(spec, setup: Setup) -> int:
