@@ -272,7 +272,8 @@ class Space:
             try:
                 c = s.replace(activation_offload=off, unsloth_gc=gc)
                 check_activation_offload(self.model, c)
-                check_framework(c)
+                if gc:  # (the rest of the framework's rules were checked on s)
+                    check_framework(c)
             except SpecError:
                 continue
             out.append(c)
