@@ -180,6 +180,9 @@ def test_axolotls_tiled_mlp_is_read_with_its_shards(tmp_path):
     assert read.setup.tiled_mlp_shards == 8
     [w] = [str(w) for w in read.warnings if "tiled_mlp" in str(w)]
     assert w.startswith("ignored: tiled_mlp_use_original_mlp") and "generic MLP" in w
+    cfg.write_text(base + "tiled_mlp_num_shards: -3\n")
+    with pytest.raises(SpecError, match="tiled_mlp_num_shards must be a positive integer; got -3"):
+        read_config(cfg)
     full = base.replace("adapter: qlora\nload_in_4bit: true\n", "")
     cfg.write_text(full)
     read = read_config(cfg)

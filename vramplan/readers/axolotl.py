@@ -130,6 +130,8 @@ def _tiled_mlp(f: Fields, m: Mapped) -> None:
     ``tiled_mlp_num_shards`` of them or one per 32,768 tokens (estimator/tiled_mlp.py), with adapters on one GPU;
     full fine-tuning and DeepSpeed/FSDP runs keep the untiled MLP, said so (an upper bound)."""
     shards = f.int("tiled_mlp_num_shards", None)
+    if shards is not None and shards < 1:
+        raise f.bad("tiled_mlp_num_shards", "a positive integer", shards)
     if not f.bool("tiled_mlp", False):
         if shards:
             m.ignore("tiled_mlp_num_shards", shards, "tiled_mlp is off")

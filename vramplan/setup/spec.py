@@ -190,7 +190,7 @@ class Setup:
         if not 0.0 <= self.lora_dropout < 1.0:
             raise SpecError(f"lora_dropout must be in [0, 1); got {self.lora_dropout!r}")
         if type(self.tiled_mlp_shards) is not int or self.tiled_mlp_shards < 0:
-            raise SpecError(f"tiled_mlp_shards must be a whole number (0: the default); got {self.tiled_mlp_shards!r}")
+            raise SpecError(f"tiled_mlp_shards must be an integer >= 0 (0: the default); got {self.tiled_mlp_shards!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise SpecError(f"zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.method == "qlora" and self.quant == "none":
